@@ -1,0 +1,61 @@
+"""Embedding specs, host preprocessing into the sharded layout, lookup and updates.
+
+This package imports none of sparseflow's other packages.
+"""
+
+from embedding import initializers
+from embedding._feature_input import InvalidIdPolicy, RaggedIds
+from embedding._layout import LimitBreachError
+from embedding._optimizers import (
+    AdagradOptimizerSpec,
+    AdamOptimizerSpec,
+    FTRLOptimizerSpec,
+    OptimizerSpec,
+    SGDOptimizerSpec,
+)
+from embedding._preprocess import (
+    PreprocessedInput,
+    SparseDenseMatmulInput,
+    SparseDenseMatmulInputStats,
+    coo_buffer_size_per_device,
+    preprocess_sparse_dense_matmul_input,
+)
+from embedding._specs import (
+    Combiner,
+    FeatureIdTransformation,
+    FeatureSpec,
+    StackedTableSpec,
+    TableSettingInStack,
+    TableSpec,
+)
+from embedding._stacking import (
+    get_stacked_table_specs,
+    prepare_feature_specs_for_training,
+    stack_tables,
+)
+
+__all__ = [
+    "AdagradOptimizerSpec",
+    "AdamOptimizerSpec",
+    "Combiner",
+    "FTRLOptimizerSpec",
+    "FeatureIdTransformation",
+    "FeatureSpec",
+    "InvalidIdPolicy",
+    "LimitBreachError",
+    "OptimizerSpec",
+    "PreprocessedInput",
+    "RaggedIds",
+    "SGDOptimizerSpec",
+    "SparseDenseMatmulInput",
+    "SparseDenseMatmulInputStats",
+    "StackedTableSpec",
+    "TableSettingInStack",
+    "TableSpec",
+    "coo_buffer_size_per_device",
+    "get_stacked_table_specs",
+    "initializers",
+    "preprocess_sparse_dense_matmul_input",
+    "prepare_feature_specs_for_training",
+    "stack_tables",
+]

@@ -1,0 +1,322 @@
+"""Host-side preprocessing of sparse features into the per-device layout.
+
+`preprocess_sparse_dense_matmul_input` takes the same arguments as
+jax-tpu-embedding's function of that name and returns the same layout
+(DESIGN.md section 2), with two differences a user can rely on: ids are
+checked against the vocabulary, and a limit breach with dropping off raises a
+`ValueError` that names the table, device, slot and partition instead of
+aborting the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from embedding._feature_input import InvalidIdPolicy, flatten_feature
+from embedding._layout import LayoutGeometry, Limits, layout_stack
+from embedding._specs import FeatureSpec, round_up
+from embedding._stacking import (
+    Nested,
+    check_partition_count,
+    prepare_feature_specs_for_training,
+)
+
+
+class SparseDenseMatmulInput(NamedTuple):
+    """The layout of every stacked table, keyed by stack name.
+
+    Attributes:
+      lhs_row_pointers: `int32[L * S * max(N, 8)]` per stack (or `[L, ...]`
+        with a leading dimension).
+      lhs_embedding_ids: `int32[L * coo_size]` local ids within the partition.
+      lhs_sample_ids: `int32[L * coo_size]` samples within the slot.
+      lhs_gains: `float32[L * coo_size]`.
+    """
+
+    lhs_row_pointers: Mapping[str, np.ndarray]
+    lhs_embedding_ids: Mapping[str, np.ndarray]
+    lhs_sample_ids: Mapping[str, np.ndarray]
+    lhs_gains: Mapping[str, np.ndarray]
+
+
+class PreprocessedInput(NamedTuple):
+    """Preprocessed input for the lookup (a pytree).
+
+    Attributes:
+      sparse_dense_matmul_input: the layout.
+      num_minibatches: `int32[L]` (or `[L, 1]`), 1 without minibatching.
+    """
+
+    sparse_dense_matmul_input: SparseDenseMatmulInput
+    num_minibatches: np.ndarray
+
+    @property
+    def lhs_row_pointers(self) -> Mapping[str, np.ndarray]:
+        return self.sparse_dense_matmul_input.lhs_row_pointers
+
+    @property
+    def lhs_embedding_ids(self) -> Mapping[str, np.ndarray]:
+        return self.sparse_dense_matmul_input.lhs_embedding_ids
+
+    @property
+    def lhs_sample_ids(self) -> Mapping[str, np.ndarray]:
+        return self.sparse_dense_matmul_input.lhs_sample_ids
+
+    @property
+    def lhs_gains(self) -> Mapping[str, np.ndarray]:
+        return self.sparse_dense_matmul_input.lhs_gains
+
+
+@dataclasses.dataclass
+class SparseDenseMatmulInputStats:
+    """Per-stack stats of one host batch, counted after merging, before dropping.
+
+    Attributes:
+      max_ids_per_partition: `int32[L * N]`, max over a device's slots.
+      max_unique_ids_per_partition: `int32[L * N]`.
+      required_buffer_size_per_sc: `int32[L * S]`, sum over partitions of the
+        count rounded up to 8.
+      id_drop_counters: entries dropped by limits or buffer size.
+      invalid_id_counters: out-of-range ids dropped (policy "drop").
+    """
+
+    max_ids_per_partition: dict[str, np.ndarray]
+    max_unique_ids_per_partition: dict[str, np.ndarray]
+    required_buffer_size_per_sc: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    id_drop_counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    invalid_id_counters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class _FeaturePlan(NamedTuple):
+    index: int  # position among the leaves of feature_specs
+    name: str
+    vocabulary_size: int
+    combiner: str
+    col_offset: int
+    col_shift: int
+    local_rows: int
+    samples_per_slot: int
+    sample_offset: int  # samples of earlier features of the stack in one slot
+
+
+class _StackPlan(NamedTuple):
+    name: str
+    features: tuple[_FeaturePlan, ...]
+    geometry: LayoutGeometry
+    limits: Limits
+
+
+def coo_buffer_size_per_device(
+    max_ids_per_partition: int,
+    suggested_coo_buffer_size_per_device: int | None,
+    num_sc_per_device: int,
+    num_partitions: int,
+) -> int:
+    """Buffer entries per device: the suggested size rounded up to a multiple of
+    `8 * S`, or else the theoretical maximum `roundup8(max_ids) * S * N`."""
+    if suggested_coo_buffer_size_per_device is not None:
+        return round_up(suggested_coo_buffer_size_per_device, 8 * num_sc_per_device)
+    return round_up(max_ids_per_partition, 8) * num_sc_per_device * num_partitions
+
+
+def _local_rows(feature: FeatureSpec, local: int, global_: int, slots: int) -> int:
+    batch = feature.global_batch_size
+    if (batch * local) % global_ or (batch * local // global_) % (local * slots):
+        raise ValueError(
+            f"Feature {feature.name!r}: global batch {batch} must split evenly over "
+            f"{global_} devices x {slots} partitions per device (a multiple of "
+            f"{global_ * slots})."
+        )
+    return batch * local // global_
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(
+    leaves: tuple[FeatureSpec, ...], local: int, global_: int, slots: int
+) -> tuple[_StackPlan, ...]:
+    if global_ % local:
+        raise ValueError(
+            f"local_device_count {local} must divide global_device_count {global_}."
+        )
+    n = check_partition_count(global_, slots)
+    by_stack: dict[str, list[tuple[int, FeatureSpec]]] = {}
+    for index, feature in enumerate(leaves):
+        table = feature.table_spec
+        if table.setting_in_stack.padded_vocab_size % (8 * n):
+            raise ValueError(
+                f"Feature {feature.name!r} was prepared for another partition count; "
+                f"prepare the specs for {global_} devices x {slots} partitions."
+            )
+        by_stack.setdefault(table.stacked_table_spec.stack_name, []).append((index, feature))
+    plans = []
+    for name, members in by_stack.items():
+        members.sort(key=lambda m: m[1].id_transformation.row_offset)
+        stacked = members[0][1].table_spec.stacked_table_spec
+        features, offset = [], 0
+        for index, feature in members:
+            rows = _local_rows(feature, local, global_, slots)
+            per_slot = rows // (local * slots)
+            transform = feature.id_transformation
+            features.append(
+                _FeaturePlan(
+                    index, feature.name, feature.table_spec.vocabulary_size,
+                    stacked.combiner.value, transform.col_offset, transform.col_shift,
+                    rows, per_slot, offset,
+                )
+            )
+            offset += per_slot
+        geometry = LayoutGeometry(
+            local_devices=local,
+            slots_per_device=slots,
+            num_partitions=n,
+            rows_per_partition=stacked.stack_vocab_size // n,
+            samples_per_slot=offset,
+            coo_size=coo_buffer_size_per_device(
+                stacked.max_ids_per_partition,
+                stacked.suggested_coo_buffer_size_per_device,
+                slots,
+                n,
+            ),
+        )
+        limits = Limits(stacked.max_ids_per_partition, stacked.max_unique_ids_per_partition)
+        plans.append(_StackPlan(name, tuple(features), geometry, limits))
+    return tuple(plans)
+
+
+def _columns(ids: np.ndarray, plan: _FeaturePlan, n: int) -> np.ndarray:
+    if not plan.col_offset and not plan.col_shift:
+        return ids
+    return ((ids + plan.col_shift) & (n - 1)) + (ids & ~(n - 1)) + plan.col_offset
+
+
+def _stack_entries(plan: _StackPlan, ids: list, weights: list, policy: InvalidIdPolicy):
+    slots, cols, samples, gains, invalid = [], [], [], [], 0
+    n = plan.geometry.num_partitions
+    for f in plan.features:
+        flat = flatten_feature(
+            ids[f.index],
+            None if weights is None else weights[f.index],
+            feature=f.name,
+            expected_rows=f.local_rows,
+            vocabulary_size=f.vocabulary_size,
+            combiner=f.combiner,
+            invalid_id_policy=policy,
+        )
+        slot, in_slot = np.divmod(flat.rows, f.samples_per_slot)
+        slots.append(slot)
+        samples.append(in_slot + f.sample_offset)
+        cols.append(_columns(flat.ids, f, n))
+        gains.append(flat.gains)
+        invalid += flat.invalid_ids
+    cat = np.concatenate
+    return cat(slots), cat(cols), cat(samples), cat(gains), invalid
+
+
+def _flatten_like(specs_tree, tree, what: str) -> list:
+    try:
+        return jax.tree.structure(specs_tree).flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"The structure of {what} does not match feature_specs: {e}"
+        ) from e
+
+
+def preprocess_sparse_dense_matmul_input(
+    features: Nested,
+    features_weights: Nested | None,
+    feature_specs: Nested,
+    local_device_count: int,
+    global_device_count: int,
+    *,
+    num_sc_per_device: int,
+    sharding_strategy: str = "MOD",
+    has_leading_dimension: bool = False,
+    allow_id_dropping: bool = False,
+    batch_number: int = 0,
+    enable_minibatching: bool = False,
+    all_reduce_interface: Any = None,
+    invalid_id_policy: InvalidIdPolicy | str = InvalidIdPolicy.RAISE,
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+    """Lays out one host batch of sparse features for the sharded lookup.
+
+    Args:
+      features: pytree like `feature_specs`; each leaf the feature's host-local
+        ids: `int[rows, valency]`, a 1-D object array of 1-D int arrays, or
+        `RaggedIds`. `rows = global_batch * local / global devices`.
+      features_weights: same structure and row lengths, or None (weight 1).
+      feature_specs: pytree of `FeatureSpec` (prepared or not).
+      local_device_count: L, devices of this host (`mesh.local_mesh.size`).
+      global_device_count: G, devices of all hosts (`mesh.size`).
+      num_sc_per_device: S, partitions per device; `G * S` a power of two.
+      sharding_strategy: only "MOD".
+      has_leading_dimension: shape outputs `[L, ...]` (for `pmap`).
+      allow_id_dropping: drop (and count) entries over the limits instead of
+        raising.
+      batch_number: the batch's index (keys the cross-host agreement).
+      enable_minibatching: not available yet; raises NotImplementedError.
+      all_reduce_interface: cross-host agreement (minibatching only).
+      invalid_id_policy: "raise" (default) or "drop" for out-of-range ids.
+
+    Returns:
+      `(PreprocessedInput, SparseDenseMatmulInputStats)`, keyed by stack name.
+
+    Raises:
+      ValueError: bad specs, bad input (naming the feature and row), or a limit
+        breach with dropping off (naming table, device, slot, partition).
+    """
+    del batch_number, all_reduce_interface
+    if sharding_strategy.upper() != "MOD":
+        raise ValueError(f"Unsupported sharding_strategy {sharding_strategy!r}; only 'MOD'.")
+    if enable_minibatching:
+        raise NotImplementedError("Minibatching is not available yet.")
+    policy = InvalidIdPolicy(invalid_id_policy)
+    specs = prepare_feature_specs_for_training(
+        feature_specs, global_device_count, num_sc_per_device
+    )
+    leaves = jax.tree.leaves(specs)
+    ids = _flatten_like(specs, features, "features")
+    weights = None if features_weights is None else _flatten_like(
+        specs, features_weights, "features_weights"
+    )
+    plans = _plan(tuple(leaves), local_device_count, global_device_count, num_sc_per_device)
+    layouts, invalid = {}, {}
+    for plan in plans:
+        slots, cols, samples, gains, invalid[plan.name] = _stack_entries(
+            plan, ids, weights, policy
+        )
+        layouts[plan.name] = layout_stack(
+            table=plan.name, slots=slots, cols=cols, samples=samples, gains=gains,
+            geometry=plan.geometry, limits=plan.limits, allow_id_dropping=allow_id_dropping,
+        )
+    return _assemble(layouts, invalid, local_device_count, has_leading_dimension)
+
+
+def _assemble(layouts, invalid, local: int, leading: bool):
+    def shaped(field: str) -> dict[str, np.ndarray]:
+        return {
+            name: getattr(lay, field).reshape(local, -1) if leading else getattr(lay, field)
+            for name, lay in layouts.items()
+        }
+
+    matmul_input = SparseDenseMatmulInput(
+        shaped("row_pointers"), shaped("embedding_ids"), shaped("sample_ids"), shaped("gains")
+    )
+    minibatches = np.ones((local, 1) if leading else (local,), np.int32)
+    stats = SparseDenseMatmulInputStats(
+        max_ids_per_partition={k: v.max_ids_per_partition for k, v in layouts.items()},
+        max_unique_ids_per_partition={
+            k: v.max_unique_ids_per_partition for k, v in layouts.items()
+        },
+        required_buffer_size_per_sc={
+            k: v.required_buffer_size_per_sc for k, v in layouts.items()
+        },
+        id_drop_counters={k: v.dropped for k, v in layouts.items()},
+        invalid_id_counters=invalid,
+    )
+    return PreprocessedInput(matmul_input, minibatches), stats
