@@ -1,9 +1,9 @@
 """The per-device CSR layout of one stacked table (DESIGN.md section 2).
 
-Everything here is vectorized numpy over the whole host batch of one stacked
-table: entries are packed into 64-bit keys (slot, partition, local id,
-sample) and sorted once; merging, limits, stats and buffer positions are
-segment operations on the sorted keys.
+Entries of the whole host batch of one stacked table are packed into 64-bit
+keys (slot, partition, local id, sample) and sorted once; merging, limits and
+the buffer scatter are one compiled pass over the sorted keys, and the stats
+and row pointers are numpy over the small per-(slot, partition) counts.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from embedding._layout_kernel import pack_feature_keys, scan_sorted_entries
+
 INT32_MAX = np.iinfo(np.int32).max
 ALIGNMENT = 8
+_NO_GAINS = np.ones(1, np.float32)
 
 
 class LayoutGeometry(NamedTuple):
@@ -89,53 +92,115 @@ def _round_up8(x: np.ndarray) -> np.ndarray:
     return (x + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
 
 
-class _Sorted(NamedTuple):
-    key: np.ndarray  # int64[M] unique (slot, partition, local, sample) keys
-    gains: np.ndarray  # float32[M] merged gains
-
-
-def _sort_and_merge(key: np.ndarray, gains: np.ndarray, key_bits: int) -> _Sorted:
-    """Sorts entries by key and sums the gains of equal keys."""
-    index_bits = _bits(max(key.size - 1, 0))
-    if key_bits + index_bits <= 63:
-        # np.sort of one packed array is several times faster than argsort.
-        packed = np.sort((key << index_bits) | np.arange(key.size, dtype=np.int64))
-        order = packed & ((1 << index_bits) - 1)
-        key = packed >> index_bits
-    else:
-        order = np.argsort(key, kind="stable")
-        key = key[order]
-    gains = gains[order]
-    if key.size == 0:
-        return _Sorted(key, gains)
-    first = np.empty(key.size, dtype=bool)
-    first[0] = True
-    np.not_equal(key[1:], key[:-1], out=first[1:])
-    if first.all():
-        return _Sorted(key, gains)
-    starts = np.flatnonzero(first)
-    return _Sorted(key[starts], np.add.reduceat(gains, starts))
-
-
-def _describe_breach(
-    table: str, geometry: LayoutGeometry, group: int, what: str, count: int, limit: int
-) -> str:
+def _where(geometry: LayoutGeometry, group: int) -> str:
     slot, partition = divmod(group, geometry.num_partitions)
     device, sc = divmod(slot, geometry.slots_per_device)
+    return f"local device {device}, slot {sc}, partition {partition}"
+
+
+def _breach_message(
+    table: str,
+    geometry: LayoutGeometry,
+    limits: Limits,
+    counts: np.ndarray,
+    unique_counts: np.ndarray,
+    kept: np.ndarray,
+) -> str:
+    """Names the first (slot, partition) whose entries were not all kept."""
+    group = int(np.argmax(kept < counts))
+    fix = "Raise the table's limits (or apply FDO stats), or allow id dropping."
+    if counts[group] > limits.max_ids_per_partition:
+        return (
+            f"Table {table!r}, {_where(geometry, group)}: {counts[group]} ids exceed "
+            f"max_ids_per_partition = {limits.max_ids_per_partition}. {fix}"
+        )
+    if unique_counts[group] > limits.max_unique_ids_per_partition:
+        return (
+            f"Table {table!r}, {_where(geometry, group)}: {unique_counts[group]} unique "
+            "ids exceed max_unique_ids_per_partition = "
+            f"{limits.max_unique_ids_per_partition}. {fix}"
+        )
     return (
-        f"Table {table!r}, local device {device}, slot {sc}, partition {partition}: "
-        f"{count} {what} exceed the limit of {limit}. Raise the table's limits "
-        "(or run the FDO job and apply its stats), or allow id dropping."
+        f"Table {table!r}, {_where(geometry, group)}: the slot's buffer of "
+        f"{geometry.slot_capacity} entries (coo buffer {geometry.coo_size} per device) "
+        "is too small for this batch. Raise suggested_coo_buffer_size_per_device, "
+        "or allow id dropping."
+    )
+
+
+class StackMember(NamedTuple):
+    """One feature's flat input and its place in the stack.
+
+    Attributes:
+      ids: `int[nnz]` ids, in range.
+      row_splits: `int64[rows + 1]`.
+      gains: `float32[nnz]`, or None for all ones.
+      samples_per_slot: the feature's rows per slot.
+      sample_offset: samples of earlier features of the stack in each slot.
+      col_shift: shard rotation of the feature's table.
+      col_offset: `row_offset_in_shard * N` of the feature's table.
+    """
+
+    ids: np.ndarray
+    row_splits: np.ndarray
+    gains: np.ndarray | None
+    samples_per_slot: int
+    sample_offset: int
+    col_shift: int
+    col_offset: int
+
+
+def _sorted_keys(members, geometry: LayoutGeometry, local_bits: int, sample_bits: int):
+    """`(int64[nnz] sorted packed keys, index bits)` of all members' entries."""
+    g = geometry
+    log_n = g.num_partitions.bit_length() - 1
+    nnz = sum(m.ids.size for m in members)
+    index_bits = max(_bits(nnz - 1), 1)
+    key_bits = _bits(g.num_slots - 1) + log_n + local_bits + sample_bits
+    if key_bits + index_bits > 63:
+        raise ValueError(
+            f"The layout key needs {key_bits + index_bits} bits (> 63): too many "
+            "slots, rows per partition, samples per slot or ids in one batch."
+        )
+    packed = np.empty(nnz, np.int64)
+    base = 0
+    for m in members:
+        pack_feature_keys(
+            m.ids,
+            m.row_splits,
+            m.samples_per_slot,
+            m.sample_offset,
+            m.col_shift,
+            m.col_offset,
+            log_n,
+            local_bits,
+            sample_bits,
+            index_bits,
+            base,
+            packed[base : base + m.ids.size],
+        )
+        base += m.ids.size
+    # Sorting the packed keys carries each entry's original index along; it is
+    # several times faster than an argsort.
+    packed.sort()
+    return packed, index_bits
+
+
+def _member_gains(members) -> np.ndarray | None:
+    if all(m.gains is None for m in members):
+        return None
+    return np.concatenate(
+        [
+            np.ones(m.ids.size, np.float32) if m.gains is None else m.gains
+            for m in members
+        ]
     )
 
 
 def layout_stack(
     *,
     table: str,
-    slots: np.ndarray,
-    cols: np.ndarray,
-    samples: np.ndarray,
-    gains: np.ndarray,
+    members: list[StackMember],
     geometry: LayoutGeometry,
     limits: Limits,
     allow_id_dropping: bool,
@@ -144,10 +209,7 @@ def layout_stack(
 
     Args:
       table: stack name, for messages.
-      slots: `int64[nnz]` slot `d * S + s` of every entry.
-      cols: `int64[nnz]` column in the stacked table.
-      samples: `int64[nnz]` sample within its slot.
-      gains: `float32[nnz]`.
+      members: the stack's features, in stacking order.
       geometry: static sizes.
       limits: the stack's per-partition limits.
       allow_id_dropping: drop over-limit entries (counted) instead of raising.
@@ -163,79 +225,39 @@ def layout_stack(
     log_n = n.bit_length() - 1
     sample_bits = _bits(g.samples_per_slot - 1)
     local_bits = _bits(g.rows_per_partition - 1)
-    group_shift = local_bits + sample_bits
-    key = (
-        ((slots << log_n | (cols & (n - 1))) << local_bits | (cols >> log_n)) << sample_bits
-    ) | samples
-    merged = _sort_and_merge(key, gains, group_shift + log_n + _bits(g.num_slots - 1))
-    key = merged.key
-    num_groups = g.num_slots * n
-
-    group = key >> group_shift
-    counts = np.bincount(group, minlength=num_groups)
-    group_start = np.cumsum(counts) - counts
-    position = np.arange(key.size, dtype=np.int64) - group_start[group]
-    col_key = key >> sample_bits
-    new_col = np.empty(key.size, dtype=bool)
-    if key.size:
-        new_col[0] = True
-        np.not_equal(col_key[1:], col_key[:-1], out=new_col[1:])
-    unique_counts = np.bincount(group[new_col], minlength=num_groups)
-    col_rank = np.cumsum(new_col) - 1 - (np.cumsum(unique_counts) - unique_counts)[group]
-
-    keep = (position < limits.max_ids_per_partition) & (
-        col_rank < limits.max_unique_ids_per_partition
-    )
-    if not allow_id_dropping and not keep.all():
-        over_ids = np.flatnonzero(counts > limits.max_ids_per_partition)
-        over_unique = np.flatnonzero(unique_counts > limits.max_unique_ids_per_partition)
-        if over_ids.size and (not over_unique.size or over_ids[0] <= over_unique[0]):
-            gid = int(over_ids[0])
-            msg = _describe_breach(
-                table, g, gid, "ids", counts[gid], limits.max_ids_per_partition
-            )
-        else:
-            gid = int(over_unique[0])
-            msg = _describe_breach(
-                table, g, gid, "unique ids", unique_counts[gid],
-                limits.max_unique_ids_per_partition,
-            )
-        raise LimitBreachError(msg)
-
-    # Kept entries are a prefix of their group (both tests are monotone in the
-    # position), so `position` is also the position among the kept ones.
-    kept = np.bincount(group[keep], minlength=num_groups).reshape(g.num_slots, n)
-    aligned = _round_up8(kept)
-    starts = np.cumsum(aligned, axis=1) - aligned
-    fitting = np.clip(g.slot_capacity - starts, 0, kept)
-    if (fitting < kept).any():
-        if not allow_id_dropping:
-            slot = int(np.argmax((fitting < kept).any(axis=1)))
-            raise LimitBreachError(
-                f"Table {table!r}, local device {slot // g.slots_per_device}, slot "
-                f"{slot % g.slots_per_device}: the batch needs "
-                f"{int(aligned[slot].sum())} buffer entries but the slot holds "
-                f"{g.slot_capacity} (coo buffer {g.coo_size} per device). Raise "
-                "suggested_coo_buffer_size_per_device, or allow id dropping."
-            )
-        keep &= position < fitting.reshape(-1)[group]
-        aligned = _round_up8(fitting)
-        starts = np.cumsum(aligned, axis=1) - aligned
-
-    out = np.flatnonzero(keep)
-    group_out = group[out]
-    slot_out = group_out >> log_n
-    pos = slot_out * g.slot_capacity + starts.reshape(-1)[group_out] + position[out]
+    packed, index_bits = _sorted_keys(members, g, local_bits, sample_bits)
+    gains = _member_gains(members)
     size = g.local_devices * g.coo_size
     embedding_ids = np.full(size, INT32_MAX, np.int32)
     sample_ids = np.full(size, INT32_MAX, np.int32)
     out_gains = np.full(size, np.nan, np.float32)
-    embedding_ids[pos] = (col_key[out] & ((1 << local_bits) - 1)).astype(np.int32)
-    sample_ids[pos] = (key[out] & ((1 << sample_bits) - 1)).astype(np.int32)
-    out_gains[pos] = merged.gains[out]
+    counts, unique_counts, kept = scan_sorted_entries(
+        packed,
+        index_bits,
+        _NO_GAINS if gains is None else gains,
+        gains is None,
+        local_bits + sample_bits,
+        sample_bits,
+        local_bits,
+        log_n,
+        g.num_slots * n,
+        g.slot_capacity,
+        limits.max_ids_per_partition,
+        limits.max_unique_ids_per_partition,
+        embedding_ids,
+        sample_ids,
+        out_gains,
+    )
+    dropped = int(counts.sum() - kept.sum())
+    if dropped and not allow_id_dropping:
+        raise LimitBreachError(
+            _breach_message(table, g, limits, counts, unique_counts, kept)
+        )
 
+    kept = kept.reshape(g.num_slots, n)
+    aligned = _round_up8(kept)
     row_pointers = np.empty((g.num_slots, g.row_pointer_width), np.int32)
-    row_pointers[:, :n] = starts + fitting
+    row_pointers[:, :n] = np.cumsum(aligned, axis=1) - aligned + kept
     row_pointers[:, n:] = aligned.sum(axis=1, keepdims=True)
 
     per_slot = counts.reshape(g.local_devices, g.slots_per_device, n)
@@ -246,9 +268,11 @@ def layout_stack(
         sample_ids=sample_ids,
         gains=out_gains,
         max_ids_per_partition=per_slot.max(axis=1).reshape(-1).astype(np.int32),
-        max_unique_ids_per_partition=unique_per_slot.max(axis=1).reshape(-1).astype(np.int32),
+        max_unique_ids_per_partition=unique_per_slot.max(axis=1)
+        .reshape(-1)
+        .astype(np.int32),
         required_buffer_size_per_sc=_round_up8(counts.reshape(g.num_slots, n))
         .sum(axis=1)
         .astype(np.int32),
-        dropped=int(key.size - out.size),
+        dropped=dropped,
     )

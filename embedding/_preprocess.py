@@ -10,8 +10,10 @@ aborting the process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -19,7 +21,7 @@ import jax
 import numpy as np
 
 from embedding._feature_input import InvalidIdPolicy, flatten_feature
-from embedding._layout import LayoutGeometry, Limits, layout_stack
+from embedding._layout import LayoutGeometry, Limits, StackMember, layout_stack
 from embedding._specs import FeatureSpec, round_up
 from embedding._stacking import (
     Nested,
@@ -88,7 +90,9 @@ class SparseDenseMatmulInputStats:
 
     max_ids_per_partition: dict[str, np.ndarray]
     max_unique_ids_per_partition: dict[str, np.ndarray]
-    required_buffer_size_per_sc: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    required_buffer_size_per_sc: dict[str, np.ndarray] = dataclasses.field(
+        default_factory=dict
+    )
     id_drop_counters: dict[str, int] = dataclasses.field(default_factory=dict)
     invalid_id_counters: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -153,7 +157,9 @@ def _plan(
                 f"Feature {feature.name!r} was prepared for another partition count; "
                 f"prepare the specs for {global_} devices x {slots} partitions."
             )
-        by_stack.setdefault(table.stacked_table_spec.stack_name, []).append((index, feature))
+        by_stack.setdefault(table.stacked_table_spec.stack_name, []).append(
+            (index, feature)
+        )
     plans = []
     for name, members in by_stack.items():
         members.sort(key=lambda m: m[1].id_transformation.row_offset)
@@ -165,9 +171,15 @@ def _plan(
             transform = feature.id_transformation
             features.append(
                 _FeaturePlan(
-                    index, feature.name, feature.table_spec.vocabulary_size,
-                    stacked.combiner.value, transform.col_offset, transform.col_shift,
-                    rows, per_slot, offset,
+                    index,
+                    feature.name,
+                    feature.table_spec.vocabulary_size,
+                    stacked.combiner.value,
+                    transform.col_offset,
+                    transform.col_shift,
+                    rows,
+                    per_slot,
+                    offset,
                 )
             )
             offset += per_slot
@@ -184,20 +196,15 @@ def _plan(
                 n,
             ),
         )
-        limits = Limits(stacked.max_ids_per_partition, stacked.max_unique_ids_per_partition)
+        limits = Limits(
+            stacked.max_ids_per_partition, stacked.max_unique_ids_per_partition
+        )
         plans.append(_StackPlan(name, tuple(features), geometry, limits))
     return tuple(plans)
 
 
-def _columns(ids: np.ndarray, plan: _FeaturePlan, n: int) -> np.ndarray:
-    if not plan.col_offset and not plan.col_shift:
-        return ids
-    return ((ids + plan.col_shift) & (n - 1)) + (ids & ~(n - 1)) + plan.col_offset
-
-
-def _stack_entries(plan: _StackPlan, ids: list, weights: list, policy: InvalidIdPolicy):
-    slots, cols, samples, gains, invalid = [], [], [], [], 0
-    n = plan.geometry.num_partitions
+def _stack_members(plan: _StackPlan, ids: list, weights: list | None, policy):
+    members, invalid = [], 0
     for f in plan.features:
         flat = flatten_feature(
             ids[f.index],
@@ -208,14 +215,19 @@ def _stack_entries(plan: _StackPlan, ids: list, weights: list, policy: InvalidId
             combiner=f.combiner,
             invalid_id_policy=policy,
         )
-        slot, in_slot = np.divmod(flat.rows, f.samples_per_slot)
-        slots.append(slot)
-        samples.append(in_slot + f.sample_offset)
-        cols.append(_columns(flat.ids, f, n))
-        gains.append(flat.gains)
+        members.append(
+            StackMember(
+                flat.ids,
+                flat.row_splits,
+                flat.gains,
+                f.samples_per_slot,
+                f.sample_offset,
+                f.col_shift,
+                f.col_offset,
+            )
+        )
         invalid += flat.invalid_ids
-    cat = np.concatenate
-    return cat(slots), cat(cols), cat(samples), cat(gains), invalid
+    return members, invalid
 
 
 def _flatten_like(specs_tree, tree, what: str) -> list:
@@ -272,7 +284,9 @@ def preprocess_sparse_dense_matmul_input(
     """
     del batch_number, all_reduce_interface
     if sharding_strategy.upper() != "MOD":
-        raise ValueError(f"Unsupported sharding_strategy {sharding_strategy!r}; only 'MOD'.")
+        raise ValueError(
+            f"Unsupported sharding_strategy {sharding_strategy!r}; only 'MOD'."
+        )
     if enable_minibatching:
         raise NotImplementedError("Minibatching is not available yet.")
     policy = InvalidIdPolicy(invalid_id_policy)
@@ -281,31 +295,55 @@ def preprocess_sparse_dense_matmul_input(
     )
     leaves = jax.tree.leaves(specs)
     ids = _flatten_like(specs, features, "features")
-    weights = None if features_weights is None else _flatten_like(
-        specs, features_weights, "features_weights"
+    weights = (
+        None
+        if features_weights is None
+        else _flatten_like(specs, features_weights, "features_weights")
     )
-    plans = _plan(tuple(leaves), local_device_count, global_device_count, num_sc_per_device)
-    layouts, invalid = {}, {}
-    for plan in plans:
-        slots, cols, samples, gains, invalid[plan.name] = _stack_entries(
-            plan, ids, weights, policy
+    plans = _plan(
+        tuple(leaves), local_device_count, global_device_count, num_sc_per_device
+    )
+
+    def lay_out(plan: _StackPlan):
+        members, invalid = _stack_members(plan, ids, weights, policy)
+        layout = layout_stack(
+            table=plan.name,
+            members=members,
+            geometry=plan.geometry,
+            limits=plan.limits,
+            allow_id_dropping=allow_id_dropping,
         )
-        layouts[plan.name] = layout_stack(
-            table=plan.name, slots=slots, cols=cols, samples=samples, gains=gains,
-            geometry=plan.geometry, limits=plan.limits, allow_id_dropping=allow_id_dropping,
-        )
+        return layout, invalid
+
+    # Stacks are independent and their heavy steps (sort, the compiled scan,
+    # large numpy ops) release the GIL, so threads use every core.
+    results = list(_executor().map(lay_out, plans))
+    layouts = {plan.name: layout for plan, (layout, _) in zip(plans, results)}
+    invalid = {plan.name: count for plan, (_, count) in zip(plans, results)}
     return _assemble(layouts, invalid, local_device_count, has_leading_dimension)
+
+
+@functools.cache
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=os.cpu_count() or 1, thread_name_prefix="sparseflow-layout"
+    )
 
 
 def _assemble(layouts, invalid, local: int, leading: bool):
     def shaped(field: str) -> dict[str, np.ndarray]:
         return {
-            name: getattr(lay, field).reshape(local, -1) if leading else getattr(lay, field)
+            name: getattr(lay, field).reshape(local, -1)
+            if leading
+            else getattr(lay, field)
             for name, lay in layouts.items()
         }
 
     matmul_input = SparseDenseMatmulInput(
-        shaped("row_pointers"), shaped("embedding_ids"), shaped("sample_ids"), shaped("gains")
+        shaped("row_pointers"),
+        shaped("embedding_ids"),
+        shaped("sample_ids"),
+        shaped("gains"),
     )
     minibatches = np.ones((local, 1) if leading else (local,), np.int32)
     stats = SparseDenseMatmulInputStats(

@@ -1,0 +1,157 @@
+"""The one compiled loop of the layout: a single pass over the sorted keys.
+
+Everything before it (packing keys, sorting) and after it (stats, row
+pointers) is numpy. Doing merging, limits and the buffer scatter in numpy
+takes a dozen passes over the entries; here it is one, which is what lets the
+host keep up with the devices (DESIGN.md section 10).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True, nogil=True)
+def scan_sorted_entries(
+    packed,
+    index_bits,
+    gains_in,
+    unit_gains,
+    group_shift,
+    sample_bits,
+    local_bits,
+    partition_bits,
+    num_groups,
+    slot_capacity,
+    max_ids,
+    max_unique,
+    embedding_ids,
+    sample_ids,
+    gains_out,
+):
+    """Merges, limits and scatters sorted entries into the slot buffers.
+
+    Args:
+      packed: `int64[nnz]` sorted `key << index_bits | original index`, with
+        `key = ((slot, partition) << group_shift) | local << sample_bits | sample`.
+      index_bits: bits of the original index in `packed`.
+      gains_in: `float32[nnz]` gains in original order (unused if unit_gains).
+      unit_gains: every gain is 1.
+      group_shift: bits below the (slot, partition) group in a key.
+      sample_bits: bits of the sample in a key.
+      local_bits: bits of the local id in a key.
+      partition_bits: log2 of the partition count N.
+      num_groups: slots * N.
+      slot_capacity: buffer entries per slot (a multiple of 8).
+      max_ids: max entries kept per group.
+      max_unique: max distinct local ids kept per group.
+      embedding_ids: `int32[slots * slot_capacity]` output, pre-filled padding.
+      sample_ids: `int32[slots * slot_capacity]` output, pre-filled padding.
+      gains_out: `float32[slots * slot_capacity]` output, pre-filled padding.
+
+    Returns:
+      `(counts, unique, kept)`: `int64[num_groups]` merged entries, distinct
+      local ids, and entries written, per group.
+    """
+    counts = np.zeros(num_groups, np.int64)
+    unique = np.zeros(num_groups, np.int64)
+    kept = np.zeros(num_groups, np.int64)
+    index_mask = (np.int64(1) << index_bits) - 1
+    sample_mask = (np.int64(1) << sample_bits) - 1
+    local_mask = (np.int64(1) << local_bits) - 1
+    prev_key = np.int64(-1)
+    prev_col = np.int64(-1)
+    group = np.int64(-1)
+    slot = np.int64(-1)
+    slot_offset = np.int64(0)
+    rank = np.int64(-1)
+    last_out = np.int64(-1)
+    for i in range(packed.size):
+        value = packed[i]
+        key = value >> index_bits
+        gain = np.float32(1.0) if unit_gains else gains_in[value & index_mask]
+        if key == prev_key:
+            if last_out >= 0:
+                gains_out[last_out] += gain
+            continue
+        prev_key = key
+        next_group = key >> group_shift
+        if next_group != group:
+            next_slot = next_group >> partition_bits
+            if next_slot != slot:
+                slot = next_slot
+                slot_offset = 0
+            elif group >= 0:
+                slot_offset += (kept[group] + 7) // 8 * 8
+            group = next_group
+            rank = -1
+            prev_col = -1
+        col = key >> sample_bits
+        if col != prev_col:
+            prev_col = col
+            rank += 1
+            unique[group] += 1
+        position = counts[group]
+        counts[group] += 1
+        if (
+            position < max_ids
+            and rank < max_unique
+            and slot_offset + position < slot_capacity
+        ):
+            last_out = slot * slot_capacity + slot_offset + position
+            embedding_ids[last_out] = col & local_mask
+            sample_ids[last_out] = key & sample_mask
+            gains_out[last_out] = gain
+            kept[group] += 1
+        else:
+            last_out = -1
+    return counts, unique, kept
+
+
+@numba.njit(cache=True, nogil=True)
+def pack_feature_keys(
+    ids,
+    row_splits,
+    samples_per_slot,
+    sample_offset,
+    col_shift,
+    col_offset,
+    partition_bits,
+    local_bits,
+    sample_bits,
+    index_bits,
+    index_base,
+    out,
+):
+    """Writes one feature's packed sort keys into `out`.
+
+    Row r goes to slot `r // samples_per_slot` as sample `r % samples_per_slot
+    + sample_offset`; id i becomes column `((i + col_shift) & (N-1)) +
+    (i & ~(N-1)) + col_offset` (DESIGN.md section 2, step 2), whose partition
+    is `col & (N-1)` and local id `col >> log2(N)`.
+
+    Args:
+      ids: `int[nnz]` ids of the feature (checked to be in range).
+      row_splits: `int64[rows + 1]`.
+      out: `int64[nnz]` slice of the stack's key array receiving
+        `key << index_bits | (index_base + j)` for entry j.
+    """
+    partition_mask = (np.int64(1) << partition_bits) - 1
+    for r in range(row_splits.size - 1):
+        slot = r // samples_per_slot
+        sample = r - slot * samples_per_slot + sample_offset
+        prefix = np.int64(slot) << partition_bits
+        for j in range(row_splits[r], row_splits[r + 1]):
+            i = np.int64(ids[j])
+            col = (
+                ((i + col_shift) & partition_mask) + (i & ~partition_mask) + col_offset
+            )
+            key = (
+                (
+                    (prefix | (col & partition_mask)) << local_bits
+                    | (col >> partition_bits)
+                )
+                << sample_bits
+            ) | sample
+            out[j] = (key << index_bits) | (index_base + j)
