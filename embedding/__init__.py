@@ -6,6 +6,7 @@ This package imports none of sparseflow's other packages.
 from embedding import initializers
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError
+from embedding._lookup import sparse_dense_matmul
 from embedding._optimizers import (
     AdagradOptimizerSpec,
     AdamOptimizerSpec,
@@ -33,11 +34,20 @@ from embedding._stacking import (
     prepare_feature_specs_for_training,
     stack_tables,
 )
+from embedding._update import apply_gradients
+from embedding._variables import (
+    EmbeddingVariables,
+    gather_tables,
+    init_embedding_variables,
+    shard_tables,
+    table_key,
+)
 
 __all__ = [
     "AdagradOptimizerSpec",
     "AdamOptimizerSpec",
     "Combiner",
+    "EmbeddingVariables",
     "FTRLOptimizerSpec",
     "FeatureIdTransformation",
     "FeatureSpec",
@@ -52,10 +62,16 @@ __all__ = [
     "StackedTableSpec",
     "TableSettingInStack",
     "TableSpec",
+    "apply_gradients",
     "coo_buffer_size_per_device",
+    "gather_tables",
     "get_stacked_table_specs",
+    "init_embedding_variables",
     "initializers",
     "preprocess_sparse_dense_matmul_input",
     "prepare_feature_specs_for_training",
+    "shard_tables",
+    "sparse_dense_matmul",
     "stack_tables",
+    "table_key",
 ]

@@ -59,21 +59,14 @@ def _ragged_leaf(leaf, feature: str, what: str) -> tuple[np.ndarray, np.ndarray]
     if isinstance(leaf, RaggedIds):
         splits = np.asarray(leaf.row_splits, dtype=np.int64)
         values = np.asarray(leaf.values).reshape(-1)
-        if (
-            splits.ndim != 1
-            or splits.size == 0
-            or splits[0] != 0
-            or splits[-1] != values.size
-        ):
+        if splits.ndim != 1 or splits.size == 0 or splits[0] != 0 or splits[-1] != values.size:
             raise ValueError(
                 f"Feature {feature!r}: {what} row_splits must start at 0 and end at "
                 f"len(values) = {values.size}."
             )
         if splits.size > 1 and (np.diff(splits) < 0).any():
             row = int(np.argmax(np.diff(splits) < 0))
-            raise ValueError(
-                f"Feature {feature!r}: {what} row_splits decrease at row {row}."
-            )
+            raise ValueError(f"Feature {feature!r}: {what} row_splits decrease at row {row}.")
         return splits, values
     array = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf, dtype=object)
     if array.dtype == object:
@@ -89,9 +82,7 @@ def _ragged_leaf(leaf, feature: str, what: str) -> tuple[np.ndarray, np.ndarray]
     return np.arange(rows + 1, dtype=np.int64) * valency, array.reshape(-1)
 
 
-def _object_rows(
-    array: np.ndarray, feature: str, what: str
-) -> tuple[np.ndarray, np.ndarray]:
+def _object_rows(array: np.ndarray, feature: str, what: str) -> tuple[np.ndarray, np.ndarray]:
     if array.ndim != 1:
         raise ValueError(
             f"Feature {feature!r}: ragged {what} must be a 1-D object array of 1-D "
@@ -105,9 +96,7 @@ def _object_rows(
         return splits, np.zeros(0, np.int64)
     try:
         # C-level loops over the rows; a Python loop would cost more than the layout.
-        np.cumsum(
-            np.fromiter(map(len, array), np.int64, count=array.size), out=splits[1:]
-        )
+        np.cumsum(np.fromiter(map(len, array), np.int64, count=array.size), out=splits[1:])
         values = np.concatenate(array)
     except (TypeError, ValueError) as e:
         raise ValueError(
@@ -139,9 +128,7 @@ def _as_int_ids(values: np.ndarray, splits: np.ndarray, feature: str) -> np.ndar
                 "an integer; ids must be integers."
             )
         return values.astype(np.int64)
-    raise TypeError(
-        f"Feature {feature!r}: ids must be integers, got dtype {values.dtype}."
-    )
+    raise TypeError(f"Feature {feature!r}: ids must be integers, got dtype {values.dtype}.")
 
 
 def _checked_weights(weights, splits: np.ndarray, feature: str) -> np.ndarray | None:
@@ -172,9 +159,7 @@ def _checked_weights(weights, splits: np.ndarray, feature: str) -> np.ndarray | 
     return w
 
 
-def _gains(
-    weights: np.ndarray | None, splits: np.ndarray, combiner: str
-) -> np.ndarray | None:
+def _gains(weights: np.ndarray | None, splits: np.ndarray, combiner: str) -> np.ndarray | None:
     """`float32[nnz]` gains: weights divided per row as the combiner says."""
     if combiner == "sum":
         return weights

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from embedding._layout_kernel import pack_feature_keys, scan_sorted_entries
+from embedding._minibatch import add_minibatch_to_keys, count_buckets, split_mask
 
 INT32_MAX = np.iinfo(np.int32).max
 ALIGNMENT = 8
@@ -29,6 +30,8 @@ class LayoutGeometry(NamedTuple):
       rows_per_partition: local rows of the stack's table shard (stack vocab / N).
       samples_per_slot: samples one slot holds over all features of the stack.
       coo_size: buffer entries per device, a multiple of 8 * S.
+      max_minibatches: 64 when minibatching is enabled (row pointers for every
+        possible minibatch), else 1.
     """
 
     local_devices: int
@@ -37,6 +40,7 @@ class LayoutGeometry(NamedTuple):
     rows_per_partition: int
     samples_per_slot: int
     coo_size: int
+    max_minibatches: int = 1
 
     @property
     def num_slots(self) -> int:
@@ -60,7 +64,8 @@ class StackLayout(NamedTuple):
     """One stacked table's layout and stats for one host batch.
 
     Attributes:
-      row_pointers: `int32[L * S * max(N, 8)]`.
+      row_pointers: `int32[L * S * max_minibatches * max(N, 8)]`: per slot and
+        minibatch, the partitions' segment ends relative to the slot start.
       embedding_ids: `int32[L * coo_size]` local ids (INT32_MAX padding).
       sample_ids: `int32[L * coo_size]` samples in slot (INT32_MAX padding).
       gains: `float32[L * coo_size]` (NaN padding).
@@ -68,6 +73,7 @@ class StackLayout(NamedTuple):
       max_unique_ids_per_partition: `int32[L * N]`.
       required_buffer_size_per_sc: `int32[L * S]`.
       dropped: entries dropped by limits or buffer size (after merging).
+      num_minibatches: minibatches the layout holds (1 without minibatching).
     """
 
     row_pointers: np.ndarray
@@ -78,6 +84,7 @@ class StackLayout(NamedTuple):
     max_unique_ids_per_partition: np.ndarray
     required_buffer_size_per_sc: np.ndarray
     dropped: int
+    num_minibatches: int = 1
 
 
 class LimitBreachError(ValueError):
@@ -92,10 +99,12 @@ def _round_up8(x: np.ndarray) -> np.ndarray:
     return (x + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
 
 
-def _where(geometry: LayoutGeometry, group: int) -> str:
-    slot, partition = divmod(group, geometry.num_partitions)
+def _where(geometry: LayoutGeometry, group: int, minibatched: bool) -> str:
+    rest, partition = divmod(group, geometry.num_partitions)
+    slot, minibatch = divmod(rest, geometry.max_minibatches) if minibatched else (rest, 0)
     device, sc = divmod(slot, geometry.slots_per_device)
-    return f"local device {device}, slot {sc}, partition {partition}"
+    where = f"local device {device}, slot {sc}, partition {partition}"
+    return f"{where}, minibatch {minibatch}" if minibatched else where
 
 
 def _breach_message(
@@ -105,26 +114,28 @@ def _breach_message(
     counts: np.ndarray,
     unique_counts: np.ndarray,
     kept: np.ndarray,
+    minibatches: np.ndarray | None,
 ) -> str:
     """Names the first (slot, partition) whose entries were not all kept."""
     group = int(np.argmax(kept < counts))
+    where = f"Table {table!r}, {_where(geometry, group, minibatches is not None)}"
     fix = "Raise the table's limits (or apply FDO stats), or allow id dropping."
+    if minibatches is not None:
+        fix = "One minibatching bucket alone exceeds the limit; raise the limits. " + fix
     if counts[group] > limits.max_ids_per_partition:
         return (
-            f"Table {table!r}, {_where(geometry, group)}: {counts[group]} ids exceed "
-            f"max_ids_per_partition = {limits.max_ids_per_partition}. {fix}"
+            f"{where}: {counts[group]} ids exceed max_ids_per_partition = "
+            f"{limits.max_ids_per_partition}. {fix}"
         )
     if unique_counts[group] > limits.max_unique_ids_per_partition:
         return (
-            f"Table {table!r}, {_where(geometry, group)}: {unique_counts[group]} unique "
-            "ids exceed max_unique_ids_per_partition = "
-            f"{limits.max_unique_ids_per_partition}. {fix}"
+            f"{where}: {unique_counts[group]} unique ids exceed "
+            f"max_unique_ids_per_partition = {limits.max_unique_ids_per_partition}. {fix}"
         )
     return (
-        f"Table {table!r}, {_where(geometry, group)}: the slot's buffer of "
-        f"{geometry.slot_capacity} entries (coo buffer {geometry.coo_size} per device) "
-        "is too small for this batch. Raise suggested_coo_buffer_size_per_device, "
-        "or allow id dropping."
+        f"{where}: the slot's buffer of {geometry.slot_capacity} entries (coo buffer "
+        f"{geometry.coo_size} per device) is too small for this batch. Raise "
+        "suggested_coo_buffer_size_per_device, or allow id dropping."
     )
 
 
@@ -150,13 +161,42 @@ class StackMember(NamedTuple):
     col_offset: int
 
 
-def _sorted_keys(members, geometry: LayoutGeometry, local_bits: int, sample_bits: int):
-    """`(int64[nnz] sorted packed keys, index bits)` of all members' entries."""
+class SortedStack(NamedTuple):
+    """One stack's entries as sorted packed keys.
+
+    Attributes:
+      packed: `int64[nnz]` sorted `key << index_bits | original index`, key =
+        (slot, partition, local id, sample).
+      index_bits: bits of the original index.
+      gains: `float32[nnz]` in original order, or None for all ones.
+      local_bits: bits of the local id.
+      sample_bits: bits of the sample.
+    """
+
+    packed: np.ndarray
+    index_bits: int
+    gains: np.ndarray | None
+    local_bits: int
+    sample_bits: int
+
+    @property
+    def group_shift(self) -> int:
+        return self.local_bits + self.sample_bits
+
+
+def _log2(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def sort_stack(members: list[StackMember], geometry: LayoutGeometry) -> SortedStack:
+    """Packs every entry of the stack into a key and sorts the keys."""
     g = geometry
-    log_n = g.num_partitions.bit_length() - 1
+    log_n = _log2(g.num_partitions)
+    sample_bits = _bits(g.samples_per_slot - 1)
+    local_bits = _bits(g.rows_per_partition - 1)
     nnz = sum(m.ids.size for m in members)
     index_bits = max(_bits(nnz - 1), 1)
-    key_bits = _bits(g.num_slots - 1) + log_n + local_bits + sample_bits
+    key_bits = _bits(g.num_slots - 1) + _log2(g.max_minibatches) + log_n + local_bits + sample_bits
     if key_bits + index_bits > 63:
         raise ValueError(
             f"The layout key needs {key_bits + index_bits} bits (> 63): too many "
@@ -183,64 +223,107 @@ def _sorted_keys(members, geometry: LayoutGeometry, local_bits: int, sample_bits
     # Sorting the packed keys carries each entry's original index along; it is
     # several times faster than an argsort.
     packed.sort()
-    return packed, index_bits
+    return SortedStack(packed, index_bits, _member_gains(members), local_bits, sample_bits)
+
+
+def minibatching_split(
+    stack: SortedStack, geometry: LayoutGeometry, limits: Limits
+) -> tuple[bool, int]:
+    """`(exceeds a limit, split mask)` of one stack (module `_minibatch`)."""
+    g = geometry
+    log_n = _log2(g.num_partitions)
+    ids, unique = count_buckets(
+        stack.packed,
+        stack.index_bits,
+        stack.group_shift,
+        stack.sample_bits,
+        stack.local_bits,
+        log_n,
+        g.num_slots * g.num_partitions,
+    )
+    over = bool(
+        (ids.sum(axis=1) > limits.max_ids_per_partition).any()
+        or (unique.sum(axis=1) > limits.max_unique_ids_per_partition).any()
+    )
+    if not over:
+        return False, 0
+    mask = split_mask(
+        ids, unique, limits.max_ids_per_partition, limits.max_unique_ids_per_partition
+    )
+    return True, int(mask)
 
 
 def _member_gains(members) -> np.ndarray | None:
     if all(m.gains is None for m in members):
         return None
     return np.concatenate(
-        [
-            np.ones(m.ids.size, np.float32) if m.gains is None else m.gains
-            for m in members
-        ]
+        [np.ones(m.ids.size, np.float32) if m.gains is None else m.gains for m in members]
     )
 
 
-def layout_stack(
+def _with_minibatches(stack: SortedStack, geometry: LayoutGeometry, minibatches: np.ndarray):
+    """The stack's keys re-keyed as (slot, minibatch, partition, ...) and sorted."""
+    packed = np.empty_like(stack.packed)
+    add_minibatch_to_keys(
+        stack.packed,
+        stack.index_bits,
+        stack.group_shift,
+        stack.sample_bits,
+        stack.local_bits,
+        _log2(geometry.num_partitions),
+        minibatches,
+        packed,
+    )
+    packed.sort()
+    return packed
+
+
+def lay_out_sorted(
     *,
     table: str,
-    members: list[StackMember],
+    stack: SortedStack,
     geometry: LayoutGeometry,
     limits: Limits,
     allow_id_dropping: bool,
+    minibatches: np.ndarray | None = None,
 ) -> StackLayout:
-    """Lays out one stacked table's entries for the host's devices.
+    """Lays out one stacked table's sorted entries for the host's devices.
 
     Args:
       table: stack name, for messages.
-      members: the stack's features, in stacking order.
+      stack: the stack's sorted entries.
       geometry: static sizes.
-      limits: the stack's per-partition limits.
+      limits: the stack's per-partition limits (per minibatch when split).
       allow_id_dropping: drop over-limit entries (counted) instead of raising.
+      minibatches: `int64[64]` minibatch of every bucket when the batch is
+        split; requires `geometry.max_minibatches == 64`.
 
     Returns:
-      The layout buffers and the stats (counted after merging, before dropping).
+      The layout buffers and the stats (of the whole batch, counted after
+      merging, before dropping).
 
     Raises:
       LimitBreachError: a limit or the buffer is exceeded and dropping is off.
     """
     g = geometry
     n = g.num_partitions
-    log_n = n.bit_length() - 1
-    sample_bits = _bits(g.samples_per_slot - 1)
-    local_bits = _bits(g.rows_per_partition - 1)
-    packed, index_bits = _sorted_keys(members, g, local_bits, sample_bits)
-    gains = _member_gains(members)
+    log_n = _log2(n)
+    mb_bits = _log2(g.max_minibatches)
+    packed = stack.packed if minibatches is None else _with_minibatches(stack, g, minibatches)
     size = g.local_devices * g.coo_size
     embedding_ids = np.full(size, INT32_MAX, np.int32)
     sample_ids = np.full(size, INT32_MAX, np.int32)
     out_gains = np.full(size, np.nan, np.float32)
     counts, unique_counts, kept = scan_sorted_entries(
         packed,
-        index_bits,
-        _NO_GAINS if gains is None else gains,
-        gains is None,
-        local_bits + sample_bits,
-        sample_bits,
-        local_bits,
-        log_n,
-        g.num_slots * n,
+        stack.index_bits,
+        _NO_GAINS if stack.gains is None else stack.gains,
+        stack.gains is None,
+        stack.group_shift,
+        stack.sample_bits,
+        stack.local_bits,
+        log_n + (mb_bits if minibatches is not None else 0),
+        g.num_slots * n * (g.max_minibatches if minibatches is not None else 1),
         g.slot_capacity,
         limits.max_ids_per_partition,
         limits.max_unique_ids_per_partition,
@@ -251,28 +334,51 @@ def layout_stack(
     dropped = int(counts.sum() - kept.sum())
     if dropped and not allow_id_dropping:
         raise LimitBreachError(
-            _breach_message(table, g, limits, counts, unique_counts, kept)
+            _breach_message(table, g, limits, counts, unique_counts, kept, minibatches)
         )
-
-    kept = kept.reshape(g.num_slots, n)
-    aligned = _round_up8(kept)
-    row_pointers = np.empty((g.num_slots, g.row_pointer_width), np.int32)
-    row_pointers[:, :n] = np.cumsum(aligned, axis=1) - aligned + kept
-    row_pointers[:, n:] = aligned.sum(axis=1, keepdims=True)
-
-    per_slot = counts.reshape(g.local_devices, g.slots_per_device, n)
-    unique_per_slot = unique_counts.reshape(per_slot.shape)
+    used = 1 if minibatches is None else g.max_minibatches
     return StackLayout(
-        row_pointers=row_pointers.reshape(-1),
+        row_pointers=_row_pointers(kept.reshape(g.num_slots, used, n), g),
         embedding_ids=embedding_ids,
         sample_ids=sample_ids,
         gains=out_gains,
+        **_batch_stats(counts, unique_counts, g, used),
+        dropped=dropped,
+        num_minibatches=1 if minibatches is None else int(minibatches[-1]) + 1,
+    )
+
+
+def _row_pointers(kept: np.ndarray, geometry: LayoutGeometry) -> np.ndarray:
+    """`int32[slots * max_minibatches * width]` from kept counts `[slots, used, N]`.
+
+    Segments follow each other in (minibatch, partition) order within a slot,
+    each starting at the previous end rounded up to 8; minibatches beyond the
+    used ones are empty segments at the slot's end.
+    """
+    slots, used, n = kept.shape
+    full = np.zeros((slots, geometry.max_minibatches, n), np.int64)
+    full[:, :used] = kept
+    aligned = _round_up8(full).reshape(slots, -1)
+    ends = np.cumsum(aligned, axis=1)
+    pointers = np.empty((slots, geometry.max_minibatches, geometry.row_pointer_width), np.int32)
+    pointers[:, :, :n] = (ends - aligned + full.reshape(slots, -1)).reshape(full.shape)
+    pointers[:, :, n:] = ends.reshape(full.shape)[:, :, -1:]
+    return pointers.reshape(-1)
+
+
+def _batch_stats(counts, unique_counts, geometry: LayoutGeometry, used: int) -> dict:
+    """Whole-batch stats from per-(slot, minibatch, partition) counts.
+
+    Minibatches hold disjoint columns, so entries and distinct columns add up.
+    """
+    g = geometry
+    shape = (g.local_devices, g.slots_per_device, used, g.num_partitions)
+    per_slot = counts.reshape(shape).sum(axis=2)
+    unique_per_slot = unique_counts.reshape(shape).sum(axis=2)
+    return dict(
         max_ids_per_partition=per_slot.max(axis=1).reshape(-1).astype(np.int32),
-        max_unique_ids_per_partition=unique_per_slot.max(axis=1)
-        .reshape(-1)
-        .astype(np.int32),
-        required_buffer_size_per_sc=_round_up8(counts.reshape(g.num_slots, n))
+        max_unique_ids_per_partition=unique_per_slot.max(axis=1).reshape(-1).astype(np.int32),
+        required_buffer_size_per_sc=_round_up8(per_slot.reshape(g.num_slots, -1))
         .sum(axis=1)
         .astype(np.int32),
-        dropped=dropped,
     )

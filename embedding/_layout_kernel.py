@@ -21,7 +21,7 @@ def scan_sorted_entries(
     group_shift,
     sample_bits,
     local_bits,
-    partition_bits,
+    slot_shift,
     num_groups,
     slot_capacity,
     max_ids,
@@ -41,8 +41,9 @@ def scan_sorted_entries(
       group_shift: bits below the (slot, partition) group in a key.
       sample_bits: bits of the sample in a key.
       local_bits: bits of the local id in a key.
-      partition_bits: log2 of the partition count N.
-      num_groups: slots * N.
+      slot_shift: bits below the slot in a group (log2 N, plus the minibatch
+        bits when the group is (slot, minibatch, partition)).
+      num_groups: slots * N (* 64 with minibatches).
       slot_capacity: buffer entries per slot (a multiple of 8).
       max_ids: max entries kept per group.
       max_unique: max distinct local ids kept per group.
@@ -78,7 +79,7 @@ def scan_sorted_entries(
         prev_key = key
         next_group = key >> group_shift
         if next_group != group:
-            next_slot = next_group >> partition_bits
+            next_slot = next_group >> slot_shift
             if next_slot != slot:
                 slot = next_slot
                 slot_offset = 0
@@ -94,11 +95,7 @@ def scan_sorted_entries(
             unique[group] += 1
         position = counts[group]
         counts[group] += 1
-        if (
-            position < max_ids
-            and rank < max_unique
-            and slot_offset + position < slot_capacity
-        ):
+        if position < max_ids and rank < max_unique and slot_offset + position < slot_capacity:
             last_out = slot * slot_capacity + slot_offset + position
             embedding_ids[last_out] = col & local_mask
             sample_ids[last_out] = key & sample_mask
@@ -144,14 +141,9 @@ def pack_feature_keys(
         prefix = np.int64(slot) << partition_bits
         for j in range(row_splits[r], row_splits[r + 1]):
             i = np.int64(ids[j])
-            col = (
-                ((i + col_shift) & partition_mask) + (i & ~partition_mask) + col_offset
-            )
+            col = ((i + col_shift) & partition_mask) + (i & ~partition_mask) + col_offset
             key = (
-                (
-                    (prefix | (col & partition_mask)) << local_bits
-                    | (col >> partition_bits)
-                )
+                ((prefix | (col & partition_mask)) << local_bits | (col >> partition_bits))
                 << sample_bits
             ) | sample
             out[j] = (key << index_bits) | (index_base + j)

@@ -102,12 +102,7 @@ def flatten(array: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     Returns None when the fast path does not apply (the caller then
     concatenates with numpy).
     """
-    if (
-        not _ENABLED
-        or array.ndim != 1
-        or not array.size
-        or not array.flags.c_contiguous
-    ):
+    if not _ENABLED or array.ndim != 1 or not array.size or not array.flags.c_contiguous:
         return None
     first = array[0]
     if type(first) is not np.ndarray or first.dtype.kind not in "iuf":

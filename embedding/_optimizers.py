@@ -122,9 +122,7 @@ class AdamOptimizerSpec(OptimizerSpec):
         for name in ("beta_1", "beta_2"):
             value = getattr(self, name)
             if not 0 <= value < 1:
-                raise ValueError(
-                    f"AdamOptimizerSpec: {name} must be in [0, 1), got {value!r}."
-                )
+                raise ValueError(f"AdamOptimizerSpec: {name} must be in [0, 1), got {value!r}.")
         _check_non_negative("AdamOptimizerSpec", epsilon=self.epsilon)
 
     def slot_initial_values(self) -> dict[str, float]:

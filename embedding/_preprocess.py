@@ -13,15 +13,24 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import operator
 import os
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from embedding._feature_input import InvalidIdPolicy, flatten_feature
-from embedding._layout import LayoutGeometry, Limits, StackMember, layout_stack
+from embedding._layout import (
+    LayoutGeometry,
+    Limits,
+    StackMember,
+    lay_out_sorted,
+    minibatching_split,
+    sort_stack,
+)
+from embedding._minibatch import NUM_BUCKETS, AllReduceInterface, minibatch_of_bucket
 from embedding._specs import FeatureSpec, round_up
 from embedding._stacking import (
     Nested,
@@ -90,9 +99,7 @@ class SparseDenseMatmulInputStats:
 
     max_ids_per_partition: dict[str, np.ndarray]
     max_unique_ids_per_partition: dict[str, np.ndarray]
-    required_buffer_size_per_sc: dict[str, np.ndarray] = dataclasses.field(
-        default_factory=dict
-    )
+    required_buffer_size_per_sc: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     id_drop_counters: dict[str, int] = dataclasses.field(default_factory=dict)
     invalid_id_counters: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -121,12 +128,17 @@ def coo_buffer_size_per_device(
     suggested_coo_buffer_size_per_device: int | None,
     num_sc_per_device: int,
     num_partitions: int,
+    max_minibatches: int = 1,
 ) -> int:
-    """Buffer entries per device: the suggested size rounded up to a multiple of
-    `8 * S`, or else the theoretical maximum `roundup8(max_ids) * S * N`."""
+    """Buffer entries per device.
+
+    The suggested size rounded up to a multiple of `8 * S`, or else the
+    theoretical maximum `roundup8(max_ids) * S * N` (times 64 with
+    minibatching: every minibatch may fill its partitions up to the limit).
+    """
     if suggested_coo_buffer_size_per_device is not None:
         return round_up(suggested_coo_buffer_size_per_device, 8 * num_sc_per_device)
-    return round_up(max_ids_per_partition, 8) * num_sc_per_device * num_partitions
+    return round_up(max_ids_per_partition, 8) * num_sc_per_device * num_partitions * max_minibatches
 
 
 def _local_rows(feature: FeatureSpec, local: int, global_: int, slots: int) -> int:
@@ -142,12 +154,10 @@ def _local_rows(feature: FeatureSpec, local: int, global_: int, slots: int) -> i
 
 @functools.lru_cache(maxsize=64)
 def _plan(
-    leaves: tuple[FeatureSpec, ...], local: int, global_: int, slots: int
+    leaves: tuple[FeatureSpec, ...], local: int, global_: int, slots: int, minibatching: bool
 ) -> tuple[_StackPlan, ...]:
     if global_ % local:
-        raise ValueError(
-            f"local_device_count {local} must divide global_device_count {global_}."
-        )
+        raise ValueError(f"local_device_count {local} must divide global_device_count {global_}.")
     n = check_partition_count(global_, slots)
     by_stack: dict[str, list[tuple[int, FeatureSpec]]] = {}
     for index, feature in enumerate(leaves):
@@ -157,9 +167,8 @@ def _plan(
                 f"Feature {feature.name!r} was prepared for another partition count; "
                 f"prepare the specs for {global_} devices x {slots} partitions."
             )
-        by_stack.setdefault(table.stacked_table_spec.stack_name, []).append(
-            (index, feature)
-        )
+        by_stack.setdefault(table.stacked_table_spec.stack_name, []).append((index, feature))
+    max_minibatches = NUM_BUCKETS if minibatching else 1
     plans = []
     for name, members in by_stack.items():
         members.sort(key=lambda m: m[1].id_transformation.row_offset)
@@ -194,11 +203,11 @@ def _plan(
                 stacked.suggested_coo_buffer_size_per_device,
                 slots,
                 n,
+                max_minibatches,
             ),
+            max_minibatches=max_minibatches,
         )
-        limits = Limits(
-            stacked.max_ids_per_partition, stacked.max_unique_ids_per_partition
-        )
+        limits = Limits(stacked.max_ids_per_partition, stacked.max_unique_ids_per_partition)
         plans.append(_StackPlan(name, tuple(features), geometry, limits))
     return tuple(plans)
 
@@ -234,9 +243,7 @@ def _flatten_like(specs_tree, tree, what: str) -> list:
     try:
         return jax.tree.structure(specs_tree).flatten_up_to(tree)
     except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"The structure of {what} does not match feature_specs: {e}"
-        ) from e
+        raise ValueError(f"The structure of {what} does not match feature_specs: {e}") from e
 
 
 def preprocess_sparse_dense_matmul_input(
@@ -252,7 +259,7 @@ def preprocess_sparse_dense_matmul_input(
     allow_id_dropping: bool = False,
     batch_number: int = 0,
     enable_minibatching: bool = False,
-    all_reduce_interface: Any = None,
+    all_reduce_interface: AllReduceInterface | None = None,
     invalid_id_policy: InvalidIdPolicy | str = InvalidIdPolicy.RAISE,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
     """Lays out one host batch of sparse features for the sharded lookup.
@@ -270,9 +277,14 @@ def preprocess_sparse_dense_matmul_input(
       has_leading_dimension: shape outputs `[L, ...]` (for `pmap`).
       allow_id_dropping: drop (and count) entries over the limits instead of
         raising.
-      batch_number: the batch's index (keys the cross-host agreement).
-      enable_minibatching: not available yet; raises NotImplementedError.
-      all_reduce_interface: cross-host agreement (minibatching only).
+      batch_number: the batch's index; keys the cross-host agreement, so every
+        host must pass the same number for the same global batch.
+      enable_minibatching: split a batch that exceeds a limit into minibatches
+        (DESIGN.md section 3) instead of dropping or raising. Outputs then have
+        row pointers for 64 minibatches (static shapes) and `num_minibatches`
+        says how many are used.
+      all_reduce_interface: cross-host agreement, required for minibatching
+        on several hosts (`AllReduceInterface`).
       invalid_id_policy: "raise" (default) or "drop" for out-of-range ids.
 
     Returns:
@@ -282,18 +294,21 @@ def preprocess_sparse_dense_matmul_input(
       ValueError: bad specs, bad input (naming the feature and row), or a limit
         breach with dropping off (naming table, device, slot, partition).
     """
-    del batch_number, all_reduce_interface
     if sharding_strategy.upper() != "MOD":
+        raise ValueError(f"Unsupported sharding_strategy {sharding_strategy!r}; only 'MOD'.")
+    if (
+        enable_minibatching
+        and all_reduce_interface is None
+        and (local_device_count < global_device_count)
+    ):
         raise ValueError(
-            f"Unsupported sharding_strategy {sharding_strategy!r}; only 'MOD'."
+            "Minibatching on several hosts needs all_reduce_interface (e.g. "
+            "parallel.allreduce.AllReduceNode(...).interface()) so that the hosts agree."
         )
-    if enable_minibatching:
-        raise NotImplementedError("Minibatching is not available yet.")
     policy = InvalidIdPolicy(invalid_id_policy)
     specs = prepare_feature_specs_for_training(
         feature_specs, global_device_count, num_sc_per_device
     )
-    leaves = jax.tree.leaves(specs)
     ids = _flatten_like(specs, features, "features")
     weights = (
         None
@@ -301,26 +316,65 @@ def preprocess_sparse_dense_matmul_input(
         else _flatten_like(specs, features_weights, "features_weights")
     )
     plans = _plan(
-        tuple(leaves), local_device_count, global_device_count, num_sc_per_device
+        tuple(jax.tree.leaves(specs)),
+        local_device_count,
+        global_device_count,
+        num_sc_per_device,
+        enable_minibatching,
     )
 
-    def lay_out(plan: _StackPlan):
+    def sort(plan: _StackPlan):
         members, invalid = _stack_members(plan, ids, weights, policy)
-        layout = layout_stack(
+        stack = sort_stack(members, plan.geometry)
+        split = (
+            minibatching_split(stack, plan.geometry, plan.limits) if enable_minibatching else None
+        )
+        return stack, invalid, split
+
+    # Stacks are independent and their heavy steps (the compiled loops, sorts,
+    # large numpy ops) release the GIL, so threads use every core.
+    sorted_stacks = list(_executor().map(sort, plans))
+    minibatches = None
+    if enable_minibatching:
+        minibatches = _agree_on_minibatches(
+            [split for _, _, split in sorted_stacks], all_reduce_interface, batch_number
+        )
+
+    def lay_out(plan_and_stack):
+        plan, (stack, _, _) = plan_and_stack
+        return lay_out_sorted(
             table=plan.name,
-            members=members,
+            stack=stack,
             geometry=plan.geometry,
             limits=plan.limits,
             allow_id_dropping=allow_id_dropping,
+            minibatches=minibatches,
         )
-        return layout, invalid
 
-    # Stacks are independent and their heavy steps (sort, the compiled scan,
-    # large numpy ops) release the GIL, so threads use every core.
-    results = list(_executor().map(lay_out, plans))
-    layouts = {plan.name: layout for plan, (layout, _) in zip(plans, results)}
-    invalid = {plan.name: count for plan, (_, count) in zip(plans, results)}
-    return _assemble(layouts, invalid, local_device_count, has_leading_dimension)
+    layouts = dict(
+        zip([p.name for p in plans], _executor().map(lay_out, zip(plans, sorted_stacks)))
+    )
+    invalid = {plan.name: count for plan, (_, count, _) in zip(plans, sorted_stacks)}
+    num_minibatches = 1 if minibatches is None else int(minibatches[-1]) + 1
+    return _assemble(layouts, invalid, local_device_count, has_leading_dimension, num_minibatches)
+
+
+def _agree_on_minibatches(
+    splits: list[tuple[bool, int]], interface: AllReduceInterface | None, batch_number: int
+) -> np.ndarray | None:
+    """The bucket -> minibatch map every host uses, or None for one pass.
+
+    Keys: `2 * batch_number` for the required flag, `+ 1` for the split.
+    """
+    required = any(over for over, _ in splits)
+    if interface is not None:
+        required = bool(interface.all_reduce_bool(2 * batch_number, required))
+    if not required:
+        return None
+    mask = functools.reduce(operator.or_, (m for _, m in splits), 0)
+    if interface is not None:
+        mask = int(interface.all_reduce_uint64(2 * batch_number + 1, mask))
+    return minibatch_of_bucket(mask)
 
 
 @functools.cache
@@ -330,12 +384,10 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     )
 
 
-def _assemble(layouts, invalid, local: int, leading: bool):
+def _assemble(layouts, invalid, local: int, leading: bool, num_minibatches: int):
     def shaped(field: str) -> dict[str, np.ndarray]:
         return {
-            name: getattr(lay, field).reshape(local, -1)
-            if leading
-            else getattr(lay, field)
+            name: getattr(lay, field).reshape(local, -1) if leading else getattr(lay, field)
             for name, lay in layouts.items()
         }
 
@@ -345,15 +397,13 @@ def _assemble(layouts, invalid, local: int, leading: bool):
         shaped("sample_ids"),
         shaped("gains"),
     )
-    minibatches = np.ones((local, 1) if leading else (local,), np.int32)
+    minibatches = np.full((local, 1) if leading else (local,), num_minibatches, np.int32)
     stats = SparseDenseMatmulInputStats(
         max_ids_per_partition={k: v.max_ids_per_partition for k, v in layouts.items()},
         max_unique_ids_per_partition={
             k: v.max_unique_ids_per_partition for k, v in layouts.items()
         },
-        required_buffer_size_per_sc={
-            k: v.required_buffer_size_per_sc for k, v in layouts.items()
-        },
+        required_buffer_size_per_sc={k: v.required_buffer_size_per_sc for k, v in layouts.items()},
         id_drop_counters={k: v.dropped for k, v in layouts.items()},
         invalid_id_counters=invalid,
     )

@@ -36,9 +36,7 @@ def _combiner(value: str | Combiner, owner: str) -> Combiner:
         return Combiner(value)
     except ValueError:
         choices = ", ".join(c.value for c in Combiner)
-        raise ValueError(
-            f"{owner}: combiner must be one of {choices}; got {value!r}."
-        ) from None
+        raise ValueError(f"{owner}: combiner must be one of {choices}; got {value!r}.") from None
 
 
 def _positive_int(value: Any, what: str) -> None:
@@ -131,16 +129,12 @@ class TableSpec:
     def __post_init__(self) -> None:
         owner = f"TableSpec {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(
-                f"TableSpec: name must be a non-empty string, got {self.name!r}."
-            )
+            raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}.")
         object.__setattr__(self, "combiner", _combiner(self.combiner, owner))
         _positive_int(self.vocabulary_size, f"{owner}: vocabulary_size")
         _positive_int(self.embedding_dim, f"{owner}: embedding_dim")
         _positive_int(self.max_ids_per_partition, f"{owner}: max_ids_per_partition")
-        _positive_int(
-            self.max_unique_ids_per_partition, f"{owner}: max_unique_ids_per_partition"
-        )
+        _positive_int(self.max_unique_ids_per_partition, f"{owner}: max_unique_ids_per_partition")
         if self.suggested_coo_buffer_size_per_device is not None:
             _positive_int(
                 self.suggested_coo_buffer_size_per_device,
@@ -152,9 +146,7 @@ class TableSpec:
                 f"embedding.AdagradOptimizerSpec()), got {type(self.optimizer).__name__}."
             )
         if not callable(self.initializer):
-            raise TypeError(
-                f"{owner}: initializer must be callable (key, shape, dtype)."
-            )
+            raise TypeError(f"{owner}: initializer must be callable (key, shape, dtype).")
 
     def is_stacked(self) -> bool:
         """True once a stacking function has placed this table in a stack."""
@@ -197,15 +189,11 @@ class FeatureSpec:
     def __post_init__(self) -> None:
         owner = f"FeatureSpec {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(
-                f"FeatureSpec: name must be a non-empty string, got {self.name!r}."
-            )
+            raise ValueError(f"FeatureSpec: name must be a non-empty string, got {self.name!r}.")
         if not isinstance(self.table_spec, TableSpec):
             raise TypeError(f"{owner}: table_spec must be a TableSpec.")
         object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
-        object.__setattr__(
-            self, "output_shape", tuple(int(d) for d in self.output_shape)
-        )
+        object.__setattr__(self, "output_shape", tuple(int(d) for d in self.output_shape))
         if not 1 <= len(self.input_shape) <= 2:
             raise ValueError(
                 f"{owner}: input_shape must be [global_batch] or [global_batch, "

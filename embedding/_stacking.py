@@ -60,13 +60,9 @@ def _leaves(feature_specs: Nested) -> list[FeatureSpec]:
     tables: dict[str, TableSpec] = {}
     for feature in leaves:
         if not isinstance(feature, FeatureSpec):
-            raise TypeError(
-                f"Expected FeatureSpec leaves, got {type(feature).__name__}."
-            )
+            raise TypeError(f"Expected FeatureSpec leaves, got {type(feature).__name__}.")
         if feature.name in names:
-            raise ValueError(
-                f"Two features are named {feature.name!r}; names must be unique."
-            )
+            raise ValueError(f"Two features are named {feature.name!r}; names must be unique.")
         names.add(feature.name)
         table = _unstacked(feature.table_spec)
         known = tables.setdefault(table.name, table)
@@ -137,9 +133,7 @@ def prepare_feature_specs_for_training(
             max_unique_ids_per_partition=table.max_unique_ids_per_partition,
             suggested_coo_buffer_size_per_device=table.suggested_coo_buffer_size_per_device,
         )
-        table = dataclasses.replace(
-            table, stacked_table_spec=stacked, setting_in_stack=setting
-        )
+        table = dataclasses.replace(table, stacked_table_spec=stacked, setting_in_stack=setting)
         row_offset = 0
         for feature in features:
             new[feature.name] = dataclasses.replace(
@@ -208,9 +202,7 @@ def stack_tables(
     if not table_names:
         raise ValueError("stack_tables: table_names is empty.")
     if len(set(table_names)) != len(table_names):
-        raise ValueError(
-            f"stack_tables: a table is named twice in {list(table_names)}."
-        )
+        raise ValueError(f"stack_tables: a table is named twice in {list(table_names)}.")
     for name in table_names:
         if name not in known:
             raise ValueError(
@@ -247,9 +239,7 @@ def stack_tables(
         combiner=tables[0].combiner,
         total_sample_count=sum(_samples(f) for f in features),
         max_ids_per_partition=_summed_limit(tables, "max_ids_per_partition"),
-        max_unique_ids_per_partition=_summed_limit(
-            tables, "max_unique_ids_per_partition"
-        ),
+        max_unique_ids_per_partition=_summed_limit(tables, "max_unique_ids_per_partition"),
         suggested_coo_buffer_size_per_device=_summed_limit(
             tables, "suggested_coo_buffer_size_per_device"
         ),

@@ -1,0 +1,448 @@
+"""The sharded forward lookup, `sparse_dense_matmul`, and its routing.
+
+Per stacked table, inside `jax.shard_map` over the 1-D mesh, every device:
+1. reads its layout (DESIGN.md section 2): per slot, per partition, entries
+   `(local id, sample, gain)` sorted by local id, so entries of one row are
+   adjacent and the distinct rows per owner device come out of a cumulative
+   sum, without sorting on the device;
+2. sends each owner device the distinct rows it needs from it (all-to-all of
+   `int32[S, G, U]`, `U` bounded by the stack's limits);
+3. gathers the rows it owns for everyone and sends them back (all-to-all of
+   `float32[S, G, U, D]`);
+4. scales each entry's row by its gain and sums per sample;
+5. cuts the slot's samples into the stack's features.
+
+All buffers have static shapes from the specs' limits and the layout's buffer
+size. With minibatching, each minibatch is one more layout of the same
+shapes: the forward would add the activations of `lookup_stack` over them and
+the update (`_update.py`) would apply them one after the other.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from embedding._layout import ALIGNMENT
+from embedding._optimizer_updates import check_optimizer
+from embedding._optimizers import OptimizerSpec
+from embedding._preprocess import PreprocessedInput, _plan
+from embedding._stacking import Nested, prepare_feature_specs_for_training
+from embedding._variables import EmbeddingVariables, mesh_axis, row_sharding
+
+
+class FeatureSlice(NamedTuple):
+    """Where one feature's samples sit in a slot of its stack.
+
+    Attributes:
+      index: the feature's position among the leaves of `feature_specs`.
+      name: the feature's name.
+      global_batch: its global batch.
+      samples_per_slot: its samples in one slot.
+      sample_offset: samples of earlier features of the stack in one slot.
+      dim: its (unpadded) embedding dim.
+    """
+
+    index: int
+    name: str
+    global_batch: int
+    samples_per_slot: int
+    sample_offset: int
+    dim: int
+
+
+class StackGeometry(NamedTuple):
+    """Static sizes of one stacked table's lookup on each device.
+
+    Attributes:
+      name: stack name.
+      optimizer: the stack's optimizer spec.
+      devices: G, devices of the mesh.
+      slots: S, partitions per device.
+      rows: R, rows per partition.
+      dim: D, the padded dim.
+      capacity: C, layout entries per slot (`coo_size / S`).
+      uniques: U, distinct rows one slot can need from one device.
+      samples: P, samples per slot over the stack's features.
+      features: the stack's features in slot order.
+    """
+
+    name: str
+    optimizer: OptimizerSpec
+    devices: int
+    slots: int
+    rows: int
+    dim: int
+    capacity: int
+    uniques: int
+    samples: int
+    features: tuple[FeatureSlice, ...]
+
+    @property
+    def partitions(self) -> int:
+        return self.devices * self.slots
+
+    @property
+    def row_pointer_width(self) -> int:
+        return max(self.partitions, ALIGNMENT)
+
+    @property
+    def shard_rows(self) -> int:
+        """Rows of the table one device holds (`S * R`)."""
+        return self.slots * self.rows
+
+
+class LayoutArrays(NamedTuple):
+    """One stack's layout as (global) arrays, dim 0 split over the devices.
+
+    Attributes:
+      row_pointers: `int32[G * S * max(N, 8)]`.
+      embedding_ids: `int32[G * coo_size]`.
+      sample_ids: `int32[G * coo_size]`.
+      gains: `float32[G * coo_size]`.
+    """
+
+    row_pointers: Any
+    embedding_ids: Any
+    sample_ids: Any
+    gains: Any
+
+
+class Routing(NamedTuple):
+    """Where the layout entries of one device go (inside `shard_map`).
+
+    Attributes:
+      dest: `int32[S, C]` device owning each entry's row.
+      unique: `int32[S, C]` index of the entry's row among the distinct rows
+        the slot needs from `dest`; `U` for padding entries.
+      samples: `int32[S, C]` sample in the slot; `P` for padding.
+      gains: `float32[S, C]`; 0 for padding.
+      send_rows: `int32[S, G, U]` row in the owner's shard of every distinct
+        row; `S * R` (out of range) where unused.
+    """
+
+    dest: jax.Array
+    unique: jax.Array
+    samples: jax.Array
+    gains: jax.Array
+    send_rows: jax.Array
+
+
+@functools.lru_cache(maxsize=64)
+def stack_geometries(leaves: tuple, devices: int, slots: int) -> tuple[StackGeometry, ...]:
+    """The geometry of every stack of prepared feature-spec leaves."""
+    geometries = []
+    for plan in _plan(leaves, devices, devices, slots):
+        stacked = leaves[plan.features[0].index].table_spec.stacked_table_spec
+        check_optimizer(stacked.optimizer, plan.name)
+        capacity = plan.geometry.coo_size // slots
+        per_partition = min(stacked.max_ids_per_partition, stacked.max_unique_ids_per_partition)
+        features = tuple(
+            FeatureSlice(
+                f.index,
+                f.name,
+                leaves[f.index].global_batch_size,
+                f.samples_per_slot,
+                f.sample_offset,
+                leaves[f.index].table_spec.embedding_dim,
+            )
+            for f in plan.features
+        )
+        geometries.append(
+            StackGeometry(
+                name=plan.name,
+                optimizer=stacked.optimizer,
+                devices=devices,
+                slots=slots,
+                rows=plan.geometry.rows_per_partition,
+                dim=stacked.stack_embedding_dim,
+                capacity=capacity,
+                uniques=min(slots * per_partition, capacity),
+                samples=plan.geometry.samples_per_slot,
+                features=features,
+            )
+        )
+    return tuple(geometries)
+
+
+def _slots_per_device(row_pointers_size: int, devices: int, stack: str) -> int:
+    """Solves `G * S * max(G * S, 8) = size` for S (the left side grows with S)."""
+    slots = 1
+    while devices * slots * max(devices * slots, ALIGNMENT) < row_pointers_size:
+        slots *= 2
+    if devices * slots * max(devices * slots, ALIGNMENT) != row_pointers_size:
+        raise ValueError(
+            f"Stack {stack!r}: row_pointers has {row_pointers_size} entries, which fits no "
+            f"partition count for {devices} devices (expected G * S * max(G * S, 8)). "
+            "Preprocess with global_device_count = mesh.size."
+        )
+    return slots
+
+
+def _global_array(value: Any, mesh: Mesh) -> Any:
+    if isinstance(value, np.ndarray):
+        # Host-local rows of this process; the layout's dim 0 follows the devices.
+        return jax.make_array_from_process_local_data(row_sharding(mesh), value.reshape(-1))
+    return value.reshape(-1) if value.ndim > 1 else value
+
+
+def _check_minibatches(num_minibatches: Any) -> None:
+    if isinstance(num_minibatches, np.ndarray) and (num_minibatches > 1).any():
+        raise NotImplementedError(
+            "This input was laid out in several minibatches; the lookup runs single-"
+            "pass layouts only. Preprocess with enable_minibatching=False."
+        )
+
+
+def global_layout(preprocessed_input: PreprocessedInput, mesh: Mesh) -> dict[str, LayoutArrays]:
+    """The layout of every stack as arrays over the mesh's devices.
+
+    Host numpy arrays (this process's devices, as the preprocessing returns
+    them) become global arrays sharded over `mesh`; arrays already on devices
+    (or traced) pass through.
+    """
+    if not isinstance(preprocessed_input, PreprocessedInput):
+        raise TypeError(
+            "preprocessed_input must be the PreprocessedInput returned by "
+            f"embedding.preprocess_sparse_dense_matmul_input, got "
+            f"{type(preprocessed_input).__name__}."
+        )
+    _check_minibatches(preprocessed_input.num_minibatches)
+    fields = preprocessed_input.sparse_dense_matmul_input
+    names = set(fields.lhs_row_pointers)
+    for mapping in fields[1:]:
+        if set(mapping) != names:
+            raise ValueError(
+                f"The layout's arrays name different stacks: {sorted(names)} vs {sorted(mapping)}."
+            )
+    return {
+        name: LayoutArrays(*(_global_array(mapping[name], mesh) for mapping in fields))
+        for name in sorted(names)
+    }
+
+
+class PreparedCall(NamedTuple):
+    layout: dict[str, LayoutArrays]
+    geometries: tuple[StackGeometry, ...]
+    treedef: Any
+
+
+def prepare_call(
+    preprocessed_input: PreprocessedInput,
+    embedding_variables: Mapping[str, EmbeddingVariables],
+    feature_specs: Nested,
+    mesh: Mesh,
+) -> PreparedCall:
+    """Checks the arguments of a lookup or update and derives its static sizes.
+
+    Raises:
+      ValueError: the layout, the variables and the specs disagree (stack
+        names, partition count, buffer sizes, table shapes, slot names).
+    """
+    mesh_axis(mesh)
+    layout = global_layout(preprocessed_input, mesh)
+    if not layout:
+        raise ValueError("preprocessed_input holds no stacked tables.")
+    name = next(iter(layout))
+    slots = _slots_per_device(layout[name].row_pointers.shape[0], mesh.size, name)
+    specs = prepare_feature_specs_for_training(feature_specs, mesh.size, slots)
+    leaves, treedef = jax.tree.flatten(specs)
+    geometries = stack_geometries(tuple(leaves), mesh.size, slots)
+    expected = sorted(g.name for g in geometries)
+    for what, names in (
+        ("preprocessed_input", layout),
+        ("embedding_variables", embedding_variables),
+    ):
+        if sorted(names) != expected:
+            raise ValueError(
+                f"{what} holds stacks {sorted(names)} but feature_specs define {expected}."
+            )
+    for g in geometries:
+        _check_layout(layout[g.name], g)
+        _check_variables(embedding_variables[g.name], g)
+    return PreparedCall(layout, geometries, treedef)
+
+
+def _check_layout(layout: LayoutArrays, g: StackGeometry) -> None:
+    sizes = {
+        "row_pointers": g.devices * g.slots * g.row_pointer_width,
+        "embedding_ids": g.devices * g.slots * g.capacity,
+        "sample_ids": g.devices * g.slots * g.capacity,
+        "gains": g.devices * g.slots * g.capacity,
+    }
+    for field, size in sizes.items():
+        actual = getattr(layout, field).shape
+        if actual != (size,):
+            raise ValueError(
+                f"Stack {g.name!r}: {field} has shape {list(actual)}, expected [{size}] for "
+                f"{g.devices} devices x {g.slots} partitions and these specs' limits; "
+                "preprocess with the same feature_specs and device counts."
+            )
+
+
+def _check_variables(variables: Any, g: StackGeometry) -> None:
+    if not isinstance(variables, EmbeddingVariables):
+        raise TypeError(
+            f"Stack {g.name!r}: expected EmbeddingVariables (from "
+            f"embedding.init_embedding_variables), got {type(variables).__name__}."
+        )
+    shape = (g.partitions * g.rows, g.dim)
+    arrays = {"table": variables.table, **{f"slot {k!r}": v for k, v in variables.slots.items()}}
+    for what, array in arrays.items():
+        if tuple(array.shape) != shape:
+            raise ValueError(
+                f"Stack {g.name!r}: {what} has shape {list(array.shape)}, expected "
+                f"{list(shape)} [stack_vocab_size, padded_dim]."
+            )
+    if tuple(variables.slots) != g.optimizer.slot_names:
+        raise ValueError(
+            f"Stack {g.name!r}: slots {list(variables.slots)} do not match the optimizer "
+            f"{type(g.optimizer).__name__}'s {list(g.optimizer.slot_names)}."
+        )
+
+
+def _round_up_to_alignment(x: jax.Array) -> jax.Array:
+    return (x + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+
+
+def _slot_index(g: StackGeometry) -> jax.Array:
+    """`int32[S, 1]`, to index `[S, ...]` buffers entry by entry."""
+    return jnp.arange(g.slots, dtype=jnp.int32)[:, None]
+
+
+def route(layout: LayoutArrays, g: StackGeometry) -> Routing:
+    """Finds each entry's owner and its distinct-row index (one device's layout).
+
+    Args:
+      layout: this device's arrays: row pointers `int32[S * W]`, ids, samples
+        and gains `[S * C]`.
+      g: the stack's geometry.
+
+    Returns:
+      The routing of every entry and the rows to request from each owner.
+    """
+    s, n, c = g.slots, g.partitions, g.capacity
+    ends = layout.row_pointers.reshape(s, g.row_pointer_width)[:, :n]
+    ids = layout.embedding_ids.reshape(s, c)
+    slot = _slot_index(g)
+    # Partition p's segment starts where p-1's ends, rounded up to 8; counting
+    # the starts at or before each position gives the position's partition.
+    starts = _round_up_to_alignment(ends[:, :-1])
+    marks = jnp.zeros((s, c + 1), jnp.int32).at[slot, starts].add(1)
+    partition = jnp.cumsum(marks, axis=1)[:, :c]
+    valid = jnp.arange(c) < jnp.take_along_axis(ends, partition, axis=1)
+    row = jnp.where(valid, partition * g.rows + ids, -1)
+    previous = jnp.pad(row[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    first = valid & (row != previous)
+    dest = partition // s
+    rank = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
+    per_dest = jnp.zeros((s, g.devices), jnp.int32).at[slot, dest].add(first.astype(jnp.int32))
+    before = jnp.cumsum(per_dest, axis=1) - per_dest
+    unique = jnp.where(valid, rank - jnp.take_along_axis(before, dest, axis=1), g.uniques)
+    send_rows = jnp.full((s, g.devices, g.uniques), g.shard_rows, jnp.int32)
+    send_rows = send_rows.at[slot, dest, jnp.where(first, unique, g.uniques)].set(
+        row - dest * g.shard_rows, mode="drop"
+    )
+    return Routing(
+        dest=dest,
+        unique=unique,
+        samples=jnp.where(valid, layout.sample_ids.reshape(s, c), g.samples),
+        gains=jnp.where(valid, layout.gains.reshape(s, c), 0.0),
+        send_rows=send_rows,
+    )
+
+
+def exchange(x: jax.Array, axis: str) -> jax.Array:
+    """All-to-all over dim 1: `[S, G, ...]`, block `[:, h]` goes to device h,
+    and block `[:, h]` of the result came from device h."""
+    return jax.lax.all_to_all(x, axis, 1, 1, tiled=True)
+
+
+def lookup_stack(
+    layout: LayoutArrays, table: jax.Array, *, geometry: StackGeometry, axis: str
+) -> tuple[jax.Array, ...]:
+    """One device's part of one stack's lookup (inside `shard_map`).
+
+    Args:
+      layout: this device's layout arrays.
+      table: `float32[S * R, D]`, this device's shard.
+      geometry: the stack's geometry.
+      axis: the mesh axis.
+
+    Returns:
+      Per feature of the stack, `float32[S * samples_per_slot, dim]`.
+    """
+    g = geometry
+    routing = route(layout, g)
+    owned = exchange(routing.send_rows, axis)
+    rows = exchange(table.at[owned].get(mode="fill", fill_value=0), axis)
+    slot = _slot_index(g)
+    per_entry = rows.at[slot, routing.dest, routing.unique].get(mode="fill", fill_value=0)
+    combined = jnp.zeros((g.slots, g.samples, g.dim), table.dtype)
+    combined = combined.at[slot, routing.samples].add(
+        per_entry * routing.gains[..., None], mode="drop"
+    )
+    return tuple(
+        combined[:, f.sample_offset : f.sample_offset + f.samples_per_slot, : f.dim].reshape(
+            -1, f.dim
+        )
+        for f in g.features
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("geometries", "mesh"))
+def _forward(layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mesh) -> list:
+    axis = mesh_axis(mesh)
+    spec = PartitionSpec(axis)
+    activations = [None] * sum(len(g.features) for g in geometries)
+    for g in geometries:
+        lookup = jax.shard_map(
+            functools.partial(lookup_stack, geometry=g, axis=axis),
+            mesh=mesh,
+            in_specs=(spec, spec),
+            out_specs=spec,
+        )
+        for feature, values in zip(g.features, lookup(layout[g.name], tables[g.name])):
+            activations[feature.index] = values
+    return activations
+
+
+def sparse_dense_matmul(
+    preprocessed_input: PreprocessedInput,
+    embedding_variables: Mapping[str, EmbeddingVariables],
+    feature_specs: Nested,
+    mesh: Mesh,
+) -> Nested:
+    """Looks up and combines the embeddings of one batch on sharded tables.
+
+    Global batch row `(d * S + s) * n + r` of a feature is row `r` of device
+    `d`, slot `s` (`n` = the feature's samples per slot): with one process, the
+    concatenation of the slots in device order. Jit-compatible (the specs and
+    mesh are static) and differentiable with respect to the tables.
+
+    Args:
+      preprocessed_input: from `embedding.preprocess_sparse_dense_matmul_input`
+        with `global_device_count = mesh.size` (host numpy arrays, or global
+        arrays over `mesh`).
+      embedding_variables: `EmbeddingVariables` by stack name, from
+        `embedding.init_embedding_variables` with the same S.
+      feature_specs: the pytree of `FeatureSpec` the input was made with.
+      mesh: 1-D mesh over all devices.
+
+    Returns:
+      The pytree of `feature_specs` with, per feature, `float32[global_batch,
+      embedding_dim]` sharded by rows over `mesh`.
+
+    Raises:
+      ValueError: the input, variables and specs disagree.
+    """
+    call = prepare_call(preprocessed_input, embedding_variables, feature_specs, mesh)
+    tables = {name: v.table for name, v in embedding_variables.items()}
+    activations = _forward(call.layout, tables, geometries=call.geometries, mesh=mesh)
+    return jax.tree.unflatten(call.treedef, activations)

@@ -1,0 +1,192 @@
+"""Row-wise optimizer updates as pure functions of (rows, slots, grads, hyperparameters).
+
+Every function takes the rows an update touches, `float32[rows, dim]`, the
+same rows of each slot variable, and the rows' summed gradients, and returns
+the new rows and slots. The sharded update (`_update.py`) gathers the touched
+rows, calls `apply_optimizer` and scatters the results back; rows without a
+gradient in the batch are never passed here, so they and their slots keep
+their values bit for bit ("lazy" updates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from embedding._optimizers import (
+    AdagradOptimizerSpec,
+    AdamOptimizerSpec,
+    FTRLOptimizerSpec,
+    OptimizerSpec,
+    SGDOptimizerSpec,
+)
+
+Slots = dict[str, jax.Array]
+
+
+def sgd(rows: jax.Array, grads: jax.Array, *, learning_rate: Any) -> jax.Array:
+    """`w - lr * g`."""
+    return rows - learning_rate * grads
+
+
+def adagrad(
+    rows: jax.Array, accumulator: jax.Array, grads: jax.Array, *, learning_rate: Any
+) -> tuple[jax.Array, jax.Array]:
+    """`a' = a + g^2; w' = w - lr * g / sqrt(a')`. Returns `(w', a')`."""
+    accumulator = accumulator + grads * grads
+    return rows - learning_rate * grads / jnp.sqrt(accumulator), accumulator
+
+
+def adam(
+    rows: jax.Array,
+    momentum: jax.Array,
+    velocity: jax.Array,
+    grads: jax.Array,
+    *,
+    learning_rate: Any,
+    beta_1: float,
+    beta_2: float,
+    epsilon: float,
+    step: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Adam with bias correction, at time `t = step + 1`.
+
+    `m' = b1 m + (1 - b1) g`, `v' = b2 v + (1 - b2) g^2`, and
+    `w' = w - lr * sqrt(1 - b2^t) / (1 - b1^t) * m' / (sqrt(v') + eps * sqrt(1 - b2^t))`,
+    which is `w - lr * m_hat / (sqrt(v_hat) + eps)` with `m_hat = m' / (1 - b1^t)`,
+    `v_hat = v' / (1 - b2^t)`. Returns `(w', m', v')`.
+    """
+    t = jnp.asarray(step, jnp.float32) + 1
+    momentum = beta_1 * momentum + (1 - beta_1) * grads
+    velocity = beta_2 * velocity + (1 - beta_2) * grads * grads
+    root_correction = jnp.sqrt(1 - beta_2**t)
+    scale = learning_rate * root_correction / (1 - beta_1**t)
+    rows = rows - scale * momentum / (jnp.sqrt(velocity) + epsilon * root_correction)
+    return rows, momentum, velocity
+
+
+def ftrl(
+    rows: jax.Array,
+    accumulator: jax.Array,
+    linear: jax.Array,
+    grads: jax.Array,
+    *,
+    learning_rate: Any,
+    learning_rate_power: float,
+    l1: float,
+    l2: float,
+    beta: float,
+    multiply_linear_by_learning_rate: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """FTRL-Proximal as TensorFlow's `ApplyFtrl`, plus Keras' `beta`.
+
+    With `k = -learning_rate_power`, `a' = a + g^2` and `sigma = a'^k - a^k`:
+    `l' = l + g - sigma / lr * w`; `w' = (clip(l', -l1, l1) - l') /
+    (a'^k / lr + 2 * l2 + beta / lr)`. With `multiply_linear_by_learning_rate`
+    the linear slot holds `lr` times that: `l' = l + lr * g - sigma * w` and
+    `w' = (clip(l', -l1 * lr, l1 * lr) - l') / (a'^k + 2 * l2 * lr + beta)`.
+    (`beta / lr` equals Keras' `l2 + beta / (2 lr)` adjustment.) Returns
+    `(w', a', l')`.
+    """
+    new_accumulator = accumulator + grads * grads
+    power_new = new_accumulator ** (-learning_rate_power)
+    sigma = power_new - accumulator ** (-learning_rate_power)
+    if multiply_linear_by_learning_rate:
+        linear = linear + learning_rate * grads - sigma * rows
+        bound = l1 * learning_rate
+        denominator = power_new + 2 * l2 * learning_rate + beta
+    else:
+        linear = linear + grads - sigma / learning_rate * rows
+        bound = l1
+        denominator = (power_new + beta) / learning_rate + 2 * l2
+    rows = (jnp.clip(linear, -bound, bound) - linear) / denominator
+    return rows, new_accumulator, linear
+
+
+def _apply_sgd(spec, rows, slots, grads, learning_rate, step):
+    del spec, slots, step
+    return sgd(rows, grads, learning_rate=learning_rate), {}
+
+
+def _apply_adagrad(spec, rows, slots, grads, learning_rate, step):
+    del spec, step
+    rows, accumulator = adagrad(rows, slots["accumulator"], grads, learning_rate=learning_rate)
+    return rows, {"accumulator": accumulator}
+
+
+def _apply_adam(spec: AdamOptimizerSpec, rows, slots, grads, learning_rate, step):
+    rows, momentum, velocity = adam(
+        rows,
+        slots["momentum"],
+        slots["velocity"],
+        grads,
+        learning_rate=learning_rate,
+        beta_1=spec.beta_1,
+        beta_2=spec.beta_2,
+        epsilon=spec.epsilon,
+        step=step,
+    )
+    return rows, {"momentum": momentum, "velocity": velocity}
+
+
+def _apply_ftrl(spec: FTRLOptimizerSpec, rows, slots, grads, learning_rate, step):
+    del step
+    rows, accumulator, linear = ftrl(
+        rows,
+        slots["accumulator"],
+        slots["linear"],
+        grads,
+        learning_rate=learning_rate,
+        learning_rate_power=spec.learning_rate_power,
+        l1=spec.l1_regularization_strength,
+        l2=spec.l2_regularization_strength,
+        beta=spec.beta,
+        multiply_linear_by_learning_rate=spec.multiply_linear_by_learning_rate,
+    )
+    return rows, {"accumulator": accumulator, "linear": linear}
+
+
+_UPDATES: dict[type, Callable[..., tuple[jax.Array, Slots]]] = {
+    SGDOptimizerSpec: _apply_sgd,
+    AdagradOptimizerSpec: _apply_adagrad,
+    AdamOptimizerSpec: _apply_adam,
+    FTRLOptimizerSpec: _apply_ftrl,
+}
+
+
+def check_optimizer(spec: OptimizerSpec, stack_name: str) -> None:
+    """Raises `TypeError` if no update rule exists for `spec`'s type."""
+    if type(spec) not in _UPDATES:
+        known = ", ".join(t.__name__ for t in _UPDATES)
+        raise TypeError(
+            f"Table {stack_name!r}: no update rule for optimizer "
+            f"{type(spec).__name__}; use one of {known}."
+        )
+
+
+def apply_optimizer(
+    spec: OptimizerSpec,
+    rows: jax.Array,
+    slots: Mapping[str, jax.Array],
+    grads: jax.Array,
+    *,
+    learning_rate: Any,
+    step: Any,
+) -> tuple[jax.Array, Slots]:
+    """Applies `spec`'s rule to touched rows.
+
+    Args:
+      spec: the table's optimizer.
+      rows: `float32[n, dim]` current rows.
+      slots: each slot variable's same rows, `float32[n, dim]`, by slot name.
+      grads: `float32[n, dim]` summed gradient of each row.
+      learning_rate: scalar, `spec.get_learning_rate(step)`.
+      step: scalar int, the training step (0 for the first update).
+
+    Returns:
+      `(new rows, new slots by name)`.
+    """
+    return _UPDATES[type(spec)](spec, rows, slots, grads, learning_rate, step)

@@ -1,0 +1,306 @@
+"""Embedding variables: stacked tables MOD-sharded row-wise over a 1-D mesh.
+
+The sharded row order (DESIGN.md sections 1 and 5). With `G` devices and `S`
+partitions per device there are `N = G * S` partitions. Id `i` of a table
+stacked with row offset `o` (`setting_in_stack.row_offset_in_shard`) and
+rotation `r` (`setting_in_stack.shard_rotation`) lives in partition
+`p = (i + r) mod N` at local row `o + i div N`; a table of its own has
+`o = r = 0`, so id `i` is in partition `i mod N` at row `i div N`.
+
+A stacked table is one `jax.Array` `float32[N * R, D]`, with `R =
+stack_vocab_size / N` rows per partition and `D` the padded dim, sharded on
+dim 0 over the mesh axis: row `r` of partition `p` is physical row `p * R + r`,
+so device `g` holds partitions `g*S .. g*S + S - 1`, one after the other.
+Optimizer slots are arrays of the same shape and sharding. Padding rows
+(ids past the vocabulary) and padding columns (past the table's dim) exist
+only in the sharded order; the logical view of a table is
+`[vocabulary_size, embedding_dim]`.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from embedding._specs import StackedTableSpec, TableSpec
+from embedding._stacking import Nested, prepare_feature_specs_for_training
+
+
+class EmbeddingVariables(NamedTuple):
+    """One stacked table and its optimizer slots, sharded as the module says.
+
+    Attributes:
+      table: `float32[stack_vocab_size, stack_embedding_dim]` in sharded row order.
+      slots: each slot variable of the stack's optimizer, by slot name (in
+        `optimizer.slot_names` order), same shape and sharding as `table`.
+    """
+
+    table: jax.Array
+    slots: dict[str, jax.Array]
+
+
+class StackMembers(NamedTuple):
+    """A stacked table and its logical tables in row-offset order."""
+
+    spec: StackedTableSpec
+    tables: tuple[TableSpec, ...]
+
+
+def mesh_axis(mesh: Mesh) -> str:
+    """The name of `mesh`'s only axis.
+
+    Raises:
+      ValueError: the mesh is not one-dimensional.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"Embedding tables shard over a 1-D mesh; got axes {mesh.axis_names} of "
+            f"shape {dict(mesh.shape)}. Build one with jax.sharding.Mesh(devices, ('x',))."
+        )
+    return mesh.axis_names[0]
+
+
+def row_sharding(mesh: Mesh) -> NamedSharding:
+    """Dim 0 split over the mesh's axis: the sharding of tables, slots and layouts."""
+    return NamedSharding(mesh, PartitionSpec(mesh_axis(mesh)))
+
+
+def stack_members(
+    feature_specs: Nested, global_device_count: int, num_sc_per_device: int
+) -> dict[str, StackMembers]:
+    """The stacks of `feature_specs` (prepared for `G * S` partitions), by name."""
+    specs = prepare_feature_specs_for_training(
+        feature_specs, global_device_count, num_sc_per_device
+    )
+    tables: dict[str, dict[str, TableSpec]] = {}
+    for feature in jax.tree.leaves(specs):
+        table = feature.table_spec
+        tables.setdefault(table.stacked_table_spec.stack_name, {})[table.name] = table
+    return {
+        name: StackMembers(
+            next(iter(members.values())).stacked_table_spec,
+            tuple(sorted(members.values(), key=lambda t: t.setting_in_stack.row_offset_in_shard)),
+        )
+        for name, members in tables.items()
+    }
+
+
+def table_key(key: jax.Array, table_name: str) -> jax.Array:
+    """The key a table's initializer gets: `key` folded with the name's CRC-32.
+
+    It depends on nothing but the seed and the name, so a table starts the same
+    whatever the device count, partitions or stacking.
+    """
+    return jax.random.fold_in(key, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
+
+
+def to_sharded_order(
+    logical: Sequence[jax.Array], tables: Sequence[TableSpec], num_partitions: int
+) -> jax.Array:
+    """Stacks logical tables into sharded row order.
+
+    Args:
+      logical: per table of the stack (row-offset order), `[vocabulary_size,
+        embedding_dim]`.
+      tables: the prepared specs of those tables.
+      num_partitions: N.
+
+    Returns:
+      `[stack_vocab_size, padded_dim]`, zero padded.
+    """
+    blocks = []
+    for values, table in zip(logical, tables, strict=True):
+        setting = table.setting_in_stack
+        values = jnp.pad(
+            values,
+            (
+                (0, setting.padded_vocab_size - values.shape[0]),
+                (0, setting.padded_embedding_dim - values.shape[1]),
+            ),
+        )
+        # [q, r] holds id r*N + q, which lives in partition (q + rotation) mod N.
+        by_partition = values.reshape(-1, num_partitions, values.shape[1]).transpose(1, 0, 2)
+        blocks.append(jnp.roll(by_partition, setting.shard_rotation, axis=0))
+    stacked = jnp.concatenate(blocks, axis=1)
+    return stacked.reshape(-1, stacked.shape[2])
+
+
+def to_logical_order(
+    sharded: jax.Array, tables: Sequence[TableSpec], num_partitions: int
+) -> list[jax.Array]:
+    """Inverse of `to_sharded_order`: `[stack_vocab, D]` -> per table `[vocab, dim]`."""
+    by_partition = sharded.reshape(num_partitions, -1, sharded.shape[1])
+    logical = []
+    for table in tables:
+        setting = table.setting_in_stack
+        start = setting.row_offset_in_shard
+        block = by_partition[:, start : start + setting.padded_vocab_size // num_partitions]
+        block = jnp.roll(block, -setting.shard_rotation, axis=0).transpose(1, 0, 2)
+        block = block.reshape(-1, block.shape[2])
+        logical.append(block[: table.vocabulary_size, : table.embedding_dim])
+    return logical
+
+
+def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, sharding):
+    logical = []
+    for table in members.tables:
+        shape = (table.vocabulary_size, table.embedding_dim)
+        values = table.initializer(table_key(key, table.name), shape, jnp.float32)
+        # Pinning the logical table to the row sharding makes every device draw
+        # only its own rows (partitionable threefry), never the whole table.
+        logical.append(jax.lax.with_sharding_constraint(values.astype(jnp.float32), sharding))
+    table = to_sharded_order(logical, members.tables, num_partitions)
+    shape = table.shape
+    slots = {
+        name: jnp.full(shape, value, jnp.float32)
+        for name, value in members.spec.optimizer.slot_initial_values().items()
+    }
+    return EmbeddingVariables(table, slots)
+
+
+def init_embedding_variables(
+    key: jax.Array, feature_specs: Nested, mesh: Mesh, *, num_sc_per_device: int
+) -> dict[str, EmbeddingVariables]:
+    """Creates every stacked table and its slots, sharded over `mesh`.
+
+    Table `t` starts as `t.initializer(table_key(key, t.name),
+    (t.vocabulary_size, t.embedding_dim), float32)` in logical order, so the
+    values of an id depend only on the seed and the table, not on the mesh,
+    the partitions or the stacking. Each device computes only its own shard
+    (one jitted program with sharded outputs); slots start at the optimizer's
+    initial values.
+
+    Args:
+      key: a `jax.random` key.
+      feature_specs: pytree of `FeatureSpec` (prepared or not).
+      mesh: 1-D mesh over all devices (`G = mesh.size`).
+      num_sc_per_device: S, partitions per device; `G * S` a power of two.
+
+    Returns:
+      `EmbeddingVariables` by stack name.
+    """
+    sharding = row_sharding(mesh)
+    num_partitions = mesh.size * num_sc_per_device
+    stacks = stack_members(feature_specs, mesh.size, num_sc_per_device)
+    init = jax.jit(
+        lambda k: {
+            name: _init_stack(k, members, num_partitions, sharding)
+            for name, members in stacks.items()
+        },
+        out_shardings=sharding,
+    )
+    return init(key)
+
+
+def shard_tables(
+    tables: Mapping[str, Any], feature_specs: Nested, mesh: Mesh, *, num_sc_per_device: int
+) -> dict[str, jax.Array]:
+    """Puts logical tables (or slot values) into sharded row order on `mesh`.
+
+    Args:
+      tables: `[vocabulary_size, embedding_dim]` per table name; every table of
+        a stack that is present must have all its stack's tables.
+      feature_specs: pytree of `FeatureSpec`.
+      mesh: 1-D mesh (`G = mesh.size`).
+      num_sc_per_device: S.
+
+    Returns:
+      `float32[stack_vocab_size, padded_dim]` by stack name, sharded by rows.
+
+    Raises:
+      ValueError: a table is unknown, missing from its stack, or misshapen.
+    """
+    stacks = stack_members(feature_specs, mesh.size, num_sc_per_device)
+    known = {t.name for members in stacks.values() for t in members.tables}
+    unknown = sorted(set(tables) - known)
+    if unknown:
+        raise ValueError(f"shard_tables: unknown tables {unknown}; known: {sorted(known)}.")
+    out = {}
+    for name, members in stacks.items():
+        present = [t.name for t in members.tables if t.name in tables]
+        if not present:
+            continue
+        if len(present) != len(members.tables):
+            missing = [t.name for t in members.tables if t.name not in tables]
+            raise ValueError(
+                f"shard_tables: stack {name!r} also needs tables {missing} (given "
+                f"{present}); pass every table of a stack."
+            )
+        logical = [_logical_array(tables[t.name], t) for t in members.tables]
+        out[name] = _sharded_fn(members.tables, mesh, num_sc_per_device)(logical)
+    return out
+
+
+def _logical_array(values: Any, table: TableSpec) -> np.ndarray:
+    values = np.asarray(values, dtype=np.float32)
+    expected = (table.vocabulary_size, table.embedding_dim)
+    if values.shape != expected:
+        raise ValueError(
+            f"Table {table.name!r}: expected values of shape {list(expected)} "
+            f"[vocabulary_size, embedding_dim], got {list(values.shape)}."
+        )
+    return values
+
+
+@functools.lru_cache(maxsize=32)
+def _sharded_fn(tables: tuple[TableSpec, ...], mesh: Mesh, num_sc_per_device: int):
+    return jax.jit(
+        functools.partial(
+            to_sharded_order, tables=tables, num_partitions=mesh.size * num_sc_per_device
+        ),
+        out_shardings=row_sharding(mesh),
+    )
+
+
+def gather_tables(
+    stacks: Mapping[str, Any], feature_specs: Nested, mesh: Mesh, *, num_sc_per_device: int
+) -> dict[str, np.ndarray]:
+    """Copies sharded stacks to the host as logical tables, for inspection.
+
+    Works for tables and for slot variables alike (pass `{name:
+    variables[name].slots["accumulator"]}`). The whole table lands in host
+    memory: use it for checks and exports, not in training.
+
+    Args:
+      stacks: `[stack_vocab_size, padded_dim]` by stack name, sharded order.
+      feature_specs: pytree of `FeatureSpec`.
+      mesh: the mesh the stacks were made for (`G = mesh.size`).
+      num_sc_per_device: S they were made for.
+
+    Returns:
+      `float32[vocabulary_size, embedding_dim]` numpy arrays by table name.
+
+    Raises:
+      ValueError: an unknown stack name or a wrong shape.
+    """
+    members = stack_members(feature_specs, mesh.size, num_sc_per_device)
+    num_partitions = mesh.size * num_sc_per_device
+    out = {}
+    for name, values in stacks.items():
+        if name not in members:
+            raise ValueError(f"gather_tables: unknown stack {name!r}; known: {sorted(members)}.")
+        spec = members[name].spec
+        expected = (spec.stack_vocab_size, spec.stack_embedding_dim)
+        if tuple(values.shape) != expected:
+            raise ValueError(
+                f"gather_tables: stack {name!r} has shape {list(values.shape)}, expected "
+                f"{list(expected)}."
+            )
+        host = (
+            np.asarray(values)
+            if getattr(values, "is_fully_addressable", True)
+            else multihost_utils.process_allgather(values, tiled=True)
+        )
+        logical = to_logical_order(host, members[name].tables, num_partitions)
+        out.update({t.name: np.asarray(v) for t, v in zip(members[name].tables, logical)})
+    return out
