@@ -124,7 +124,7 @@ def _as_int_ids(values: np.ndarray, splits: np.ndarray, feature: str) -> np.ndar
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(
-                f"Feature {feature!r}, row {_row_of(splits, i)}: id {values[i]!r} is not "
+                f"Feature {feature!r}, row {_row_of(splits, i)}: id {values[i].item()!r} is not "
                 "an integer; ids must be integers."
             )
         return values.astype(np.int64)

@@ -13,9 +13,11 @@ Per stacked table, inside `jax.shard_map` over the 1-D mesh, every device:
 5. cuts the slot's samples into the stack's features.
 
 All buffers have static shapes from the specs' limits and the layout's buffer
-size. With minibatching, each minibatch is one more layout of the same
-shapes: the forward would add the activations of `lookup_stack` over them and
-the update (`_update.py`) would apply them one after the other.
+size. A minibatched layout (DESIGN.md section 3) holds, per slot, the
+segments of minibatch 0 (partitions 0..N-1), then of minibatch 1, and so on;
+the forward routes and looks up one minibatch at a time and adds up the
+activations, and the update (`_update.py`) applies the minibatches one after
+the other. Each row lies in one minibatch, so both equal a single pass.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from embedding._layout import ALIGNMENT
+from embedding._minibatch import NUM_BUCKETS
 from embedding._optimizer_updates import check_optimizer
 from embedding._optimizers import OptimizerSpec
 from embedding._preprocess import PreprocessedInput, _plan
@@ -68,7 +71,10 @@ class StackGeometry(NamedTuple):
       rows: R, rows per partition.
       dim: D, the padded dim.
       capacity: C, layout entries per slot (`coo_size / S`).
-      uniques: U, distinct rows one slot can need from one device.
+      minibatches: K, minibatches the row pointers have room for (1, or 64
+        with minibatching).
+      uniques: U, distinct rows one slot can need from one device in one
+        minibatch.
       samples: P, samples per slot over the stack's features.
       features: the stack's features in slot order.
     """
@@ -80,6 +86,7 @@ class StackGeometry(NamedTuple):
     rows: int
     dim: int
     capacity: int
+    minibatches: int
     uniques: int
     samples: int
     features: tuple[FeatureSlice, ...]
@@ -102,43 +109,61 @@ class LayoutArrays(NamedTuple):
     """One stack's layout as (global) arrays, dim 0 split over the devices.
 
     Attributes:
-      row_pointers: `int32[G * S * max(N, 8)]`.
+      row_pointers: `int32[G * S * K * max(N, 8)]`.
       embedding_ids: `int32[G * coo_size]`.
       sample_ids: `int32[G * coo_size]`.
       gains: `float32[G * coo_size]`.
+      num_minibatches: `int32[G]`, minibatches in use (the same on every device).
     """
 
     row_pointers: Any
     embedding_ids: Any
     sample_ids: Any
     gains: Any
+    num_minibatches: Any
+
+
+class Entries(NamedTuple):
+    """One device's layout entries, decoded once for all minibatches.
+
+    Attributes:
+      segment: `int32[S, C]` the entry's `minibatch * N + partition`.
+      valid: `bool[S, C]` false for padding.
+      ids: `int32[S, C]` local ids within the partition.
+      samples: `int32[S, C]` samples in the slot; `P` for padding.
+      gains: `float32[S, C]`; 0 for padding.
+    """
+
+    segment: jax.Array
+    valid: jax.Array
+    ids: jax.Array
+    samples: jax.Array
+    gains: jax.Array
 
 
 class Routing(NamedTuple):
-    """Where the layout entries of one device go (inside `shard_map`).
+    """Where one minibatch's entries of one device go (inside `shard_map`).
 
     Attributes:
       dest: `int32[S, C]` device owning each entry's row.
       unique: `int32[S, C]` index of the entry's row among the distinct rows
-        the slot needs from `dest`; `U` for padding entries.
-      samples: `int32[S, C]` sample in the slot; `P` for padding.
-      gains: `float32[S, C]`; 0 for padding.
+        the slot needs from `dest`; `U` for entries outside the minibatch.
       send_rows: `int32[S, G, U]` row in the owner's shard of every distinct
         row; `S * R` (out of range) where unused.
     """
 
     dest: jax.Array
     unique: jax.Array
-    samples: jax.Array
-    gains: jax.Array
     send_rows: jax.Array
 
 
 @functools.lru_cache(maxsize=64)
-def stack_geometries(leaves: tuple, devices: int, slots: int) -> tuple[StackGeometry, ...]:
+def stack_geometries(
+    leaves: tuple, devices: int, slots: int, minibatching: bool
+) -> tuple[StackGeometry, ...]:
     """The geometry of every stack of prepared feature-spec leaves."""
     geometries = []
-    for plan in _plan(leaves, devices, devices, slots):
+    for plan in _plan(leaves, devices, devices, slots, minibatching):
         stacked = leaves[plan.features[0].index].table_spec.stacked_table_spec
         check_optimizer(stacked.optimizer, plan.name)
         capacity = plan.geometry.coo_size // slots
@@ -163,6 +188,7 @@ def stack_geometries(leaves: tuple, devices: int, slots: int) -> tuple[StackGeom
                 rows=plan.geometry.rows_per_partition,
                 dim=stacked.stack_embedding_dim,
                 capacity=capacity,
+                minibatches=plan.geometry.max_minibatches,
                 uniques=min(slots * per_partition, capacity),
                 samples=plan.geometry.samples_per_slot,
                 features=features,
@@ -171,16 +197,21 @@ def stack_geometries(leaves: tuple, devices: int, slots: int) -> tuple[StackGeom
     return tuple(geometries)
 
 
-def _slots_per_device(row_pointers_size: int, devices: int, stack: str) -> int:
-    """Solves `G * S * max(G * S, 8) = size` for S (the left side grows with S)."""
+def _slots_per_device(row_pointers_size: int, devices: int, minibatches: int, stack: str) -> int:
+    """Solves `G * S * K * max(G * S, 8) = size` for S (the left side grows with S)."""
+
+    def size(slots: int) -> int:
+        return devices * slots * minibatches * max(devices * slots, ALIGNMENT)
+
     slots = 1
-    while devices * slots * max(devices * slots, ALIGNMENT) < row_pointers_size:
+    while size(slots) < row_pointers_size:
         slots *= 2
-    if devices * slots * max(devices * slots, ALIGNMENT) != row_pointers_size:
+    if size(slots) != row_pointers_size:
         raise ValueError(
             f"Stack {stack!r}: row_pointers has {row_pointers_size} entries, which fits no "
-            f"partition count for {devices} devices (expected G * S * max(G * S, 8)). "
-            "Preprocess with global_device_count = mesh.size."
+            f"partition count for {devices} devices and {minibatches} minibatch(es) "
+            "(expected G * S * K * max(G * S, 8)). Preprocess with global_device_count = "
+            "mesh.size, and pass enable_minibatching as the preprocessing did."
         )
     return slots
 
@@ -190,14 +221,6 @@ def _global_array(value: Any, mesh: Mesh) -> Any:
         # Host-local rows of this process; the layout's dim 0 follows the devices.
         return jax.make_array_from_process_local_data(row_sharding(mesh), value.reshape(-1))
     return value.reshape(-1) if value.ndim > 1 else value
-
-
-def _check_minibatches(num_minibatches: Any) -> None:
-    if isinstance(num_minibatches, np.ndarray) and (num_minibatches > 1).any():
-        raise NotImplementedError(
-            "This input was laid out in several minibatches; the lookup runs single-"
-            "pass layouts only. Preprocess with enable_minibatching=False."
-        )
 
 
 def global_layout(preprocessed_input: PreprocessedInput, mesh: Mesh) -> dict[str, LayoutArrays]:
@@ -238,6 +261,7 @@ def prepare_call(
     embedding_variables: Mapping[str, EmbeddingVariables],
     feature_specs: Nested,
     mesh: Mesh,
+    enable_minibatching: bool,
 ) -> PreparedCall:
     """Checks the arguments of a lookup or update and derives its static sizes.
 
@@ -250,10 +274,11 @@ def prepare_call(
     if not layout:
         raise ValueError("preprocessed_input holds no stacked tables.")
     name = next(iter(layout))
-    slots = _slots_per_device(layout[name].row_pointers.shape[0], mesh.size, name)
+    minibatches = NUM_BUCKETS if enable_minibatching else 1
+    slots = _slots_per_device(layout[name].row_pointers.shape[0], mesh.size, minibatches, name)
     specs = prepare_feature_specs_for_training(feature_specs, mesh.size, slots)
     leaves, treedef = jax.tree.flatten(specs)
-    geometries = stack_geometries(tuple(leaves), mesh.size, slots)
+    geometries = stack_geometries(tuple(leaves), mesh.size, slots, bool(enable_minibatching))
     expected = sorted(g.name for g in geometries)
     for what, names in (
         ("preprocessed_input", layout),
@@ -271,10 +296,11 @@ def prepare_call(
 
 def _check_layout(layout: LayoutArrays, g: StackGeometry) -> None:
     sizes = {
-        "row_pointers": g.devices * g.slots * g.row_pointer_width,
+        "row_pointers": g.devices * g.slots * g.minibatches * g.row_pointer_width,
         "embedding_ids": g.devices * g.slots * g.capacity,
         "sample_ids": g.devices * g.slots * g.capacity,
         "gains": g.devices * g.slots * g.capacity,
+        "num_minibatches": g.devices,
     }
     for field, size in sizes.items():
         actual = getattr(layout, field).shape
@@ -316,28 +342,46 @@ def _slot_index(g: StackGeometry) -> jax.Array:
     return jnp.arange(g.slots, dtype=jnp.int32)[:, None]
 
 
-def route(layout: LayoutArrays, g: StackGeometry) -> Routing:
-    """Finds each entry's owner and its distinct-row index (one device's layout).
+def decode(layout: LayoutArrays, g: StackGeometry) -> Entries:
+    """Finds every entry's segment (one device's layout).
 
     Args:
-      layout: this device's arrays: row pointers `int32[S * W]`, ids, samples
-        and gains `[S * C]`.
+      layout: this device's arrays: row pointers `int32[S * K * W]`, ids,
+        samples and gains `[S * C]`.
       g: the stack's geometry.
-
-    Returns:
-      The routing of every entry and the rows to request from each owner.
     """
     s, n, c = g.slots, g.partitions, g.capacity
-    ends = layout.row_pointers.reshape(s, g.row_pointer_width)[:, :n]
-    ids = layout.embedding_ids.reshape(s, c)
+    pointers = layout.row_pointers.reshape(s, g.minibatches, g.row_pointer_width)
+    ends = pointers[:, :, :n].reshape(s, g.minibatches * n)
     slot = _slot_index(g)
-    # Partition p's segment starts where p-1's ends, rounded up to 8; counting
-    # the starts at or before each position gives the position's partition.
+    # A segment starts where the one before it ends, rounded up to 8; counting
+    # the starts at or before each position gives the position's segment.
     starts = _round_up_to_alignment(ends[:, :-1])
     marks = jnp.zeros((s, c + 1), jnp.int32).at[slot, starts].add(1)
-    partition = jnp.cumsum(marks, axis=1)[:, :c]
-    valid = jnp.arange(c) < jnp.take_along_axis(ends, partition, axis=1)
-    row = jnp.where(valid, partition * g.rows + ids, -1)
+    segment = jnp.cumsum(marks, axis=1)[:, :c]
+    valid = jnp.arange(c) < jnp.take_along_axis(ends, segment, axis=1)
+    return Entries(
+        segment=segment,
+        valid=valid,
+        ids=layout.embedding_ids.reshape(s, c),
+        samples=jnp.where(valid, layout.sample_ids.reshape(s, c), g.samples),
+        gains=jnp.where(valid, layout.gains.reshape(s, c), 0.0),
+    )
+
+
+def route(entries: Entries, g: StackGeometry, minibatch: Any) -> Routing:
+    """Finds each entry's owner and distinct-row index within `minibatch`.
+
+    Entries of one row are adjacent in a segment and segments of one owner
+    follow each other, so a cumulative sum numbers the distinct rows.
+    """
+    s = g.slots
+    slot = _slot_index(g)
+    partition = entries.segment % g.partitions
+    valid = entries.valid
+    if g.minibatches > 1:
+        valid = valid & (entries.segment // g.partitions == minibatch)
+    row = jnp.where(valid, partition * g.rows + entries.ids, -1)
     previous = jnp.pad(row[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
     first = valid & (row != previous)
     dest = partition // s
@@ -349,19 +393,34 @@ def route(layout: LayoutArrays, g: StackGeometry) -> Routing:
     send_rows = send_rows.at[slot, dest, jnp.where(first, unique, g.uniques)].set(
         row - dest * g.shard_rows, mode="drop"
     )
-    return Routing(
-        dest=dest,
-        unique=unique,
-        samples=jnp.where(valid, layout.sample_ids.reshape(s, c), g.samples),
-        gains=jnp.where(valid, layout.gains.reshape(s, c), 0.0),
-        send_rows=send_rows,
-    )
+    return Routing(dest=dest, unique=unique, send_rows=send_rows)
+
+
+def over_minibatches(g: StackGeometry, num_minibatches: jax.Array, body, init):
+    """`body(k, carry)` for k in 0..num_minibatches-1; a single call without
+    minibatching (which keeps the lookup differentiable in reverse mode)."""
+    if g.minibatches == 1:
+        return body(0, init)
+    return jax.lax.fori_loop(0, num_minibatches[0], body, init)
 
 
 def exchange(x: jax.Array, axis: str) -> jax.Array:
     """All-to-all over dim 1: `[S, G, ...]`, block `[:, h]` goes to device h,
     and block `[:, h]` of the result came from device h."""
     return jax.lax.all_to_all(x, axis, 1, 1, tiled=True)
+
+
+def _lookup_minibatch(
+    entries: Entries, table: jax.Array, g: StackGeometry, axis: str, minibatch: Any
+) -> jax.Array:
+    """`float32[S, P, D]`: the minibatch's rows, scaled and summed per sample."""
+    routing = route(entries, g, minibatch)
+    owned = exchange(routing.send_rows, axis)
+    rows = exchange(table.at[owned].get(mode="fill", fill_value=0), axis)
+    slot = _slot_index(g)
+    per_entry = rows.at[slot, routing.dest, routing.unique].get(mode="fill", fill_value=0)
+    combined = jnp.zeros((g.slots, g.samples, g.dim), table.dtype)
+    return combined.at[slot, entries.samples].add(per_entry * entries.gains[..., None], mode="drop")
 
 
 def lookup_stack(
@@ -379,14 +438,12 @@ def lookup_stack(
       Per feature of the stack, `float32[S * samples_per_slot, dim]`.
     """
     g = geometry
-    routing = route(layout, g)
-    owned = exchange(routing.send_rows, axis)
-    rows = exchange(table.at[owned].get(mode="fill", fill_value=0), axis)
-    slot = _slot_index(g)
-    per_entry = rows.at[slot, routing.dest, routing.unique].get(mode="fill", fill_value=0)
-    combined = jnp.zeros((g.slots, g.samples, g.dim), table.dtype)
-    combined = combined.at[slot, routing.samples].add(
-        per_entry * routing.gains[..., None], mode="drop"
+    entries = decode(layout, g)
+    combined = over_minibatches(
+        g,
+        layout.num_minibatches,
+        lambda k, total: total + _lookup_minibatch(entries, table, g, axis, k),
+        jnp.zeros((g.slots, g.samples, g.dim), table.dtype),
     )
     return tuple(
         combined[:, f.sample_offset : f.sample_offset + f.samples_per_slot, : f.dim].reshape(
@@ -418,13 +475,16 @@ def sparse_dense_matmul(
     embedding_variables: Mapping[str, EmbeddingVariables],
     feature_specs: Nested,
     mesh: Mesh,
+    *,
+    enable_minibatching: bool = False,
 ) -> Nested:
     """Looks up and combines the embeddings of one batch on sharded tables.
 
     Global batch row `(d * S + s) * n + r` of a feature is row `r` of device
     `d`, slot `s` (`n` = the feature's samples per slot): with one process, the
     concatenation of the slots in device order. Jit-compatible (the specs and
-    mesh are static) and differentiable with respect to the tables.
+    mesh are static). Differentiable with respect to the tables (reverse mode
+    only without minibatching, whose loop has a data-dependent length).
 
     Args:
       preprocessed_input: from `embedding.preprocess_sparse_dense_matmul_input`
@@ -434,6 +494,8 @@ def sparse_dense_matmul(
         `embedding.init_embedding_variables` with the same S.
       feature_specs: the pytree of `FeatureSpec` the input was made with.
       mesh: 1-D mesh over all devices.
+      enable_minibatching: as passed to the preprocessing (the row pointers
+        then have room for 64 minibatches).
 
     Returns:
       The pytree of `feature_specs` with, per feature, `float32[global_batch,
@@ -442,7 +504,9 @@ def sparse_dense_matmul(
     Raises:
       ValueError: the input, variables and specs disagree.
     """
-    call = prepare_call(preprocessed_input, embedding_variables, feature_specs, mesh)
+    call = prepare_call(
+        preprocessed_input, embedding_variables, feature_specs, mesh, enable_minibatching
+    )
     tables = {name: v.table for name, v in embedding_variables.items()}
     activations = _forward(call.layout, tables, geometries=call.geometries, mesh=mesh)
     return jax.tree.unflatten(call.treedef, activations)

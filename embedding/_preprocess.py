@@ -305,7 +305,7 @@ def preprocess_sparse_dense_matmul_input(
             "Minibatching on several hosts needs all_reduce_interface (e.g. "
             "parallel.allreduce.AllReduceNode(...).interface()) so that the hosts agree."
         )
-    policy = InvalidIdPolicy(invalid_id_policy)
+    policy = _invalid_id_policy(invalid_id_policy)
     specs = prepare_feature_specs_for_training(
         feature_specs, global_device_count, num_sc_per_device
     )
@@ -357,6 +357,14 @@ def preprocess_sparse_dense_matmul_input(
     invalid = {plan.name: count for plan, (_, count, _) in zip(plans, sorted_stacks)}
     num_minibatches = 1 if minibatches is None else int(minibatches[-1]) + 1
     return _assemble(layouts, invalid, local_device_count, has_leading_dimension, num_minibatches)
+
+
+def _invalid_id_policy(value: InvalidIdPolicy | str) -> InvalidIdPolicy:
+    try:
+        return InvalidIdPolicy(value)
+    except ValueError:
+        choices = ", ".join(repr(p.value) for p in InvalidIdPolicy)
+        raise ValueError(f"invalid_id_policy must be one of {choices}; got {value!r}.") from None
 
 
 def _agree_on_minibatches(
