@@ -1,0 +1,7 @@
+"""`python -m sparseflow`: the same command line as the `sparseflow` script."""
+
+import sys
+
+from sparseflow._cli import main
+
+sys.exit(main())

@@ -1,0 +1,137 @@
+"""The `sparseflow` command line.
+
+  sparseflow make-data --config C [--out DIR] [--examples N] [--seed S]
+                       [--shards K] [--formats arrayrecord,tfrecord]
+  sparseflow demo [--config C] [--batches N]
+
+A user error (a bad config, a missing file, a bad record, input the
+preprocessing rejects) prints one `error: ...` line and exits with status 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pipelines
+from sparseflow import _demo
+from sparseflow._config import RunConfig, load_config
+
+# The repository's configs; the package is installed from the source tree.
+DEFAULT_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+_USER_ERROR_EXIT = 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparseflow",
+        description="Input pipelines and sharded-embedding training for recommenders.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    make = commands.add_parser(
+        "make-data", help="write a synthetic dataset for a config's features"
+    )
+    make.add_argument("--config", type=Path, required=True, help="the run's YAML config")
+    make.add_argument(
+        "--out", type=Path, help="output directory (default: the config's dataset.dir)"
+    )
+    make.add_argument(
+        "--examples", type=_positive_int, help="examples (default: the config's dataset.examples)"
+    )
+    make.add_argument("--seed", type=_non_negative_int, help="seed (default: the config's seed)")
+    make.add_argument(
+        "--shards", type=_positive_int, help="files per format (default: dataset.shards)"
+    )
+    make.add_argument(
+        "--formats",
+        type=_formats,
+        default=("arrayrecord", "tfrecord"),
+        help="comma-separated record formats (default: arrayrecord,tfrecord)",
+    )
+    make.set_defaults(run=_make_data)
+
+    demo = commands.add_parser(
+        "demo",
+        help="make the config's dataset if missing, then parse and preprocess it, "
+        "and summarize every table",
+    )
+    demo.add_argument(
+        "--config", type=Path, default=DEFAULT_DEMO_CONFIG, help="default: configs/demo.yaml"
+    )
+    demo.add_argument(
+        "--batches", type=_positive_int, help="stop after N global batches (default: one pass)"
+    )
+    demo.set_defaults(run=_run_demo)
+    return parser
+
+
+def _make_data(args: argparse.Namespace, config: RunConfig) -> None:
+    out = args.out or config.dataset.dir
+    examples = args.examples or config.dataset.examples
+    files = pipelines.write_synthetic_dataset(
+        config.synthetic,
+        out,
+        num_examples=examples,
+        seed=config.seed if args.seed is None else args.seed,
+        num_shards=args.shards or config.dataset.shards,
+        formats=args.formats,
+    )
+    print(f"Wrote {examples:,} synthetic examples to {out}:")
+    for fmt, paths in files.items():
+        print(f"  {fmt}: {len(paths)} files ({Path(paths[0]).parent})")
+
+
+def _run_demo(args: argparse.Namespace, config: RunConfig) -> None:
+    if not _demo.dataset_exists(config):
+        print(
+            f"Writing the synthetic dataset ({config.dataset.examples:,} examples) "
+            f"to {config.dataset.dir} ..."
+        )
+        _demo.make_dataset(config)
+    result = _demo.run_demo(config, max_batches=args.batches)
+    print(
+        f"{config.name}: {config.mesh.devices} devices x "
+        f"{config.mesh.partitions_per_device} partitions, global batch "
+        f"{config.global_batch_size}"
+    )
+    print(_demo.format_report(result))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (2 on a user error)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        args.run(args, load_config(args.config))
+    # ConfigError, BadRecordError and the preprocessing's errors are ValueErrors.
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return _USER_ERROR_EXIT
+    return 0

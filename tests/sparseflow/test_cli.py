@@ -1,0 +1,201 @@
+"""The `sparseflow` command line: make-data, demo, and one-line user errors."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from array_record.python import array_record_module
+
+import pipelines
+from sparseflow import _cli, _demo, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+BATCH = 32
+
+
+def _config(tmp_path: Path, *, limit: int = 64, allow_id_dropping: bool = False, **top) -> Path:
+    """A tiny run: `a` read by fa1 and fa2, stacked with `b`; `c` alone."""
+    table = {
+        "embedding_dim": 8,
+        "combiner": "sum",
+        "optimizer": {"type": "adagrad"},
+        "initializer": {"type": "constant", "value": 0.0},
+        "max_ids_per_partition": limit,
+        "max_unique_ids_per_partition": limit,
+    }
+    raw = {
+        "name": "tiny",
+        "seed": 0,
+        "mesh": {"devices": 8, "partitions_per_device": 2},
+        "global_batch_size": BATCH,
+        "preprocessing": {"allow_id_dropping": allow_id_dropping},
+        "tables": [
+            {"name": "a", "vocabulary_size": 100, **table},
+            {"name": "b", "vocabulary_size": 50, **table},
+            {
+                "name": "c",
+                "vocabulary_size": 20,
+                **table,
+                "combiner": "mean",
+                "optimizer": {"type": "sgd", "learning_rate": 0.1},
+            },
+        ],
+        "stacks": [["a", "b"]],
+        "features": [
+            {"name": "fa1", "table": "a", "valency": [1, 3]},
+            {"name": "fa2", "table": "a", "valency": [1, 2]},
+            {"name": "fb", "table": "b", "valency": [1, 1], "weighted": True},
+            {"name": "fc", "table": "c", "valency": [1, 2], "zipf": 2.0},
+        ],
+        "dense_features": 3,
+        "dataset": {"dir": "data", "examples": 200, "eval_examples": 20, "shards": 2},
+        **top,
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _records(directory: Path) -> list[bytes]:
+    return list(pipelines.read_records(pipelines.list_record_files(str(directory))))
+
+
+def _summary_rows(out: str) -> dict[str, list[str]]:
+    """The demo's table rows by stack name, cells split on runs of 2+ spaces."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stack "))
+    rows = {}
+    for line in lines[header + 2 :]:
+        if not line.strip():
+            break
+        cells = [cell.strip() for cell in line.split("  ") if cell.strip()]
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_make_data_writes_the_requested_dataset(tmp_path, capsys):
+    out = tmp_path / "out"
+    status = _cli.main(
+        [
+            "make-data",
+            "--config",
+            str(_config(tmp_path)),
+            "--out",
+            str(out),
+            "--examples",
+            "200",
+            "--seed",
+            "1",
+            "--shards",
+            "2",
+            "--formats",
+            "arrayrecord",
+        ]
+    )
+    assert status == 0
+    assert "Wrote 200 synthetic examples" in capsys.readouterr().out
+    assert (out / "dataset.json").is_file()
+    assert not (out / "tfrecord").exists()
+    assert len(pipelines.list_record_files(str(out / "arrayrecord"))) == 2
+    records = _records(out / "arrayrecord")
+    assert len(records) == 200
+    layout = load_config(tmp_path / "tiny.yaml").synthetic.feature_layout()
+    assert pipelines.parse_examples(records, layout).labels.shape == (200,)
+
+
+def test_demo_makes_the_dataset_and_summarizes_every_stack(tmp_path, capsys):
+    config = _config(tmp_path)
+    assert _cli.main(["demo", "--config", str(config), "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "data" / "dataset.json").is_file()
+    rows = _summary_rows(out)
+    assert list(rows) == ["a_b", "c"]
+    assert rows["a_b"][1] == "fa1, fa2, fb"
+    # ids/batch, counted independently from the first two batches' records.
+    parsed = pipelines.parse_examples(
+        _records(tmp_path / "data" / "arrayrecord")[: 2 * BATCH],
+        load_config(config).synthetic.feature_layout(),
+    )
+    ids = {name: parsed.ids[name].values.size for name in parsed.ids}
+    assert rows["a_b"][2] == f"{(ids['fa1'] + ids['fa2'] + ids['fb']) / 2:,.0f}"
+    assert rows["c"][2] == f"{ids['fc'] / 2:,.0f}"
+    assert [row[-2:] for row in rows.values()] == [["0", "0"], ["0", "0"]]
+    assert f"2 batches, {2 * BATCH} examples" in out
+
+
+def test_demo_reads_an_existing_dataset_in_full(tmp_path, capsys):
+    config = _config(tmp_path)
+    make = ["make-data", "--config", str(config), "--examples", "100", "--shards", "1"]
+    assert _cli.main(make) == 0
+    assert _cli.main(["demo", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "Writing the synthetic dataset" not in out
+    assert f"{100 // BATCH} batches, {100 // BATCH * BATCH} examples" in out
+
+
+def test_demo_counts_drops_when_dropping_is_allowed(tmp_path, capsys):
+    config = _config(tmp_path, limit=1, allow_id_dropping=True)
+    assert _cli.main(["demo", "--config", str(config), "--batches", "1"]) == 0
+    rows = _summary_rows(capsys.readouterr().out)
+    assert int(rows["a_b"][-2].replace(",", "")) > 0
+    # The stack's limit is the sum of its two tables' limits.
+    assert rows["a_b"][3].endswith("/ 2")
+
+
+def _assert_user_error(capsys, argv, message: str) -> None:
+    assert _cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_limit_breach_is_a_user_error(tmp_path, capsys):
+    config = _config(tmp_path, limit=1)
+    _assert_user_error(capsys, ["demo", "--config", str(config), "--batches", "1"], "'a_b'")
+
+
+def test_bad_config_is_a_user_error(tmp_path, capsys):
+    config = _config(tmp_path, global_batch_size=40)
+    _assert_user_error(
+        capsys,
+        ["demo", "--config", str(config)],
+        f"error: {config}: global_batch_size: 40 is not divisible",
+    )
+
+
+def test_missing_config_is_a_user_error(tmp_path, capsys):
+    missing = tmp_path / "missing.yaml"
+    _assert_user_error(capsys, ["make-data", "--config", str(missing)], f"{missing}: cannot read")
+
+
+def test_bad_record_is_a_user_error(tmp_path, capsys):
+    config = _config(tmp_path)
+    assert _cli.main(["make-data", "--config", str(config), "--examples", "64"]) == 0
+    shard = pipelines.list_record_files(str(tmp_path / "data" / "arrayrecord"))[0]
+    writer = array_record_module.ArrayRecordWriter(shard, "group_size:1")
+    for _ in range(BATCH):
+        writer.write(b"not an example")
+    writer.close()
+    _assert_user_error(capsys, ["demo", "--config", str(config)], "Bad record at index 0")
+
+
+def test_dataset_of_other_features_is_a_user_error(tmp_path, capsys):
+    config = _config(tmp_path)
+    assert _cli.main(["make-data", "--config", str(config), "--examples", "64"]) == 0
+    config = _config(tmp_path, dense_features=4)
+    _assert_user_error(capsys, ["demo", "--config", str(config)], "made for other features")
+
+
+def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(_demo, "dataset_exists", broken)
+    with pytest.raises(RuntimeError, match="bug"):
+        _cli.main(["demo", "--config", str(_config(tmp_path))])
+
+
+def test_demo_defaults_to_the_shipped_demo_config():
+    assert _cli.DEFAULT_DEMO_CONFIG == CONFIGS / "demo.yaml"
+    assert _cli._parser().parse_args(["demo"]).config == CONFIGS / "demo.yaml"
