@@ -1,0 +1,159 @@
+"""The dense tower of a DLRM-style recommender, as pure functions.
+
+    dense features --bottom MLP--> x0 [B, d]
+    activation of feature f [B, dim_f] --linear--> x_f [B, d]
+    z = upper triangle of [x0, x_1..x_F] [x0, x_1..x_F]^T   (pairwise dots)
+    logit = top MLP([x0, z])
+
+Embedding activations come from the sharded lookup; this module never sees
+tables. Parameters are a plain dict pytree so optax and orbax handle them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+Params = dict
+"""`{"bottom": [layer...], "project": {feature: w}, "top": [layer...]}`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Sizes and the dense optimizer of the recommender.
+
+    Attributes:
+      bottom_mlp: hidden widths of the bottom MLP; the last is the
+        interaction dim d.
+      top_mlp: hidden widths of the top MLP (a final width-1 layer is added).
+      learning_rate: of the dense part's Adam.
+    """
+
+    bottom_mlp: tuple[int, ...] = (64, 16)
+    top_mlp: tuple[int, ...] = (64, 32)
+    learning_rate: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("bottom_mlp", "top_mlp"):
+            widths = tuple(getattr(self, name))
+            if not widths or any(not isinstance(w, int) or w <= 0 for w in widths):
+                raise ValueError(f"ModelConfig.{name} must be positive ints, got {widths!r}.")
+            object.__setattr__(self, name, widths)
+        if not self.learning_rate > 0:
+            raise ValueError(f"ModelConfig.learning_rate must be > 0, got {self.learning_rate!r}.")
+
+    @property
+    def interaction_dim(self) -> int:
+        return self.bottom_mlp[-1]
+
+
+def _dense_layer(key: jax.Array, fan_in: int, fan_out: int) -> dict:
+    scale = np.sqrt(2.0 / (fan_in + fan_out))
+    return {
+        "w": scale * jax.random.normal(key, (fan_in, fan_out), jnp.float32),
+        "b": jnp.zeros((fan_out,), jnp.float32),
+    }
+
+
+def _mlp(key: jax.Array, widths: Sequence[int]) -> list[dict]:
+    keys = jax.random.split(key, len(widths) - 1)
+    return [_dense_layer(k, a, b) for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)]
+
+
+def init_params(
+    key: jax.Array, config: ModelConfig, num_dense_features: int, feature_dims: Mapping[str, int]
+) -> Params:
+    """Initial dense parameters.
+
+    Args:
+      key: PRNG key.
+      config: model sizes.
+      num_dense_features: width of the dense input.
+      feature_dims: embedding dim of every sparse feature, by name.
+    """
+    d = config.interaction_dim
+    num_pairs = (len(feature_dims) + 1) * len(feature_dims) // 2
+    k_bottom, k_top, k_project = jax.random.split(key, 3)
+    project_keys = jax.random.split(k_project, max(len(feature_dims), 1))
+    return {
+        "bottom": _mlp(k_bottom, (num_dense_features, *config.bottom_mlp)),
+        "project": {
+            name: _dense_layer(k, dim, d)["w"]
+            for k, (name, dim) in zip(project_keys, sorted(feature_dims.items()), strict=False)
+        },
+        "top": _mlp(k_top, (d + num_pairs, *config.top_mlp, 1)),
+    }
+
+
+def _apply_mlp(layers: list[dict], x: jax.Array, *, final_activation: bool) -> jax.Array:
+    for i, layer in enumerate(layers):
+        x = x @ layer["w"] + layer["b"]
+        if final_activation or i < len(layers) - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def forward(params: Params, dense: jax.Array, activations: Mapping[str, jax.Array]) -> jax.Array:
+    """Logits of a batch.
+
+    Args:
+      params: from `init_params`.
+      dense: `float32[batch, num_dense_features]`.
+      activations: `float32[batch, dim_f]` per feature (the lookup's output).
+
+    Returns:
+      `float32[batch]` logits.
+    """
+    x0 = _apply_mlp(params["bottom"], dense, final_activation=True)
+    vectors = [x0] + [activations[name] @ w for name, w in sorted(params["project"].items())]
+    stacked = jnp.stack(vectors, axis=1)  # [B, F + 1, d]
+    dots = jnp.einsum("bid,bjd->bij", stacked, stacked)
+    rows, cols = np.triu_indices(len(vectors), k=1)
+    interactions = dots[:, rows, cols]
+    top_input = jnp.concatenate([x0, interactions], axis=1)
+    return _apply_mlp(params["top"], top_input, final_activation=False)[:, 0]
+
+
+def loss_fn(
+    params: Params, dense: jax.Array, activations: Mapping[str, jax.Array], labels: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`(mean sigmoid cross-entropy, logits)` of a batch; `labels: int32[batch]`."""
+    logits = forward(params, dense, activations)
+    loss = optax.sigmoid_binary_cross_entropy(logits, labels.astype(jnp.float32)).mean()
+    return loss, logits
+
+
+def dense_optimizer(config: ModelConfig) -> optax.GradientTransformation:
+    """The optimizer of the dense parameters."""
+    return optax.adam(config.learning_rate)
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Area under the ROC curve by the rank-sum formula (ties get mid-ranks).
+
+    Args:
+      labels: `int[n]` in {0, 1}.
+      scores: `float[n]`.
+
+    Returns:
+      The AUC, or NaN when only one class is present.
+    """
+    labels = np.asarray(labels).astype(bool)
+    scores = np.asarray(scores, np.float64)
+    positives = int(labels.sum())
+    negatives = labels.size - positives
+    if not positives or not negatives:
+        return float("nan")
+    order = np.argsort(scores, kind="stable")
+    sorted_scores = scores[order]
+    ranks = np.empty(scores.size, np.float64)
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], scores.size]
+    mid = (starts + ends + 1) / 2.0  # 1-based mid-rank of each tie group
+    ranks[order] = np.repeat(mid, ends - starts)
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
