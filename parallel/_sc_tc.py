@@ -1,0 +1,506 @@
+"""SC/TC step pipelining: the sparse stages of one batch beside the dense stage of another.
+
+One call of `step` runs the SC backward stage (table update) of batch i-2,
+then the SC forward stage (lookup) of batch i in the updated tables, and the
+TC stage (dense forward and backward) of batch i-1. The TC stage does not
+depend on the two sparse stages of the same call, so XLA may run them side
+by side. n batches take n + 2 calls:
+
+    step      SC bwd   SC fwd        TC             fake_tc_step
+    0         -        0             -              True
+    1         -        1             0              False
+    t         t-2      t             t-1            False
+    n-1       n-3      n-1           n-2            False
+    n         n-2      - (dummy)     n-1            False
+    n+1       n-1      - (dummy)     -              True
+
+so batch i is looked up in the tables updated with batches 0..i-2 (one
+update fewer than in sequential training), and the TC output of batch
+`t - 1` comes out of call `t` for `1 <= t <= n` (`is_output_valid`). Calls
+n and n+1 take dummy inputs (e.g. zeros like a real batch). At calls 0 and
+1 the SC backward stage gets the all-zero placeholder sparse inputs and zero
+gradients from `get_initial_state`; it must leave the tables unchanged for
+them (plain SGD and Adagrad do; an optimizer that moves rows on zero
+gradients can read a validity flag its TC stage puts in `tc_aux`, which is
+zero in the placeholder). A value the SC backward stage needs about its
+batch, such as the training step for `embedding.apply_gradients`' learning
+rate, travels in the batch's sparse inputs or through `sc_fwd_aux` and
+`tc_aux`.
+
+A training loop (stage functions and `fake_tc_step` static under `jax.jit`):
+
+    jit_step = jax.jit(
+        parallel.step,
+        static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step"),
+        donate_argnames=("tc_train_state", "embedding_variables", "pipeline_state"),
+    )
+    state = parallel.get_initial_state(batch(0), train_state, tables, sc_fwd, tc)
+    for t in range(parallel.get_pipeline_train_steps(n)):
+        valid = parallel.is_output_valid(t, n)
+        out, _, train_state, tables, state = jit_step(
+            batch(t) if t < n else dummy, train_state, tables, state,
+            sc_fwd, tc, sc_bwd, fake_tc_step=not valid)
+        if valid:
+            log(out)  # batch t - 1
+
+Recommended ordering. If the SC forward stage returns activations in its
+stacked layout (one array per stacked table), unstack them as the first
+operation of the TC stage and stack the gradients as its last, so the SC
+programs (update then lookup) and the TC program each run as one straight
+piece: `unstacked_tc_function` wraps a TC stage written on per-feature
+activations. `embedding.sparse_dense_matmul` already returns per-feature
+activations and `embedding.apply_gradients` takes per-feature gradients,
+so with them the TC stage receives and returns per-feature arrays
+(`float32[global_batch, embedding_dim]` by feature) and needs no wrapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parallel._sc_tc_types import (
+    AnyPipelineState,
+    CurrentStepInput,
+    LastStepInput,
+    PipelineState,
+    ScBwdStageFun,
+    ScFwdStageFun,
+    StepBeforeLastStepInput,
+    TcStageFun,
+)
+
+ShardingTree = Any
+"""A `jax.sharding.Sharding`, or a pytree prefix of shardings."""
+
+_JIT_HINT = (
+    'jax.jit(step, static_argnames=("sc_fwd_function", "tc_function", '
+    '"sc_bwd_function", "fake_tc_step"))'
+)
+
+
+class _TcResult(NamedTuple):
+    """What the TC stage of one step hands on."""
+
+    embedding_gradients: Any
+    output: Any
+    train_state: Any
+    tc_aux: Any
+
+
+def get_pipeline_train_steps(num_steps: int) -> int:
+    """The number of `step` calls that train on `num_steps` batches (fill and drain add 2).
+
+    Raises:
+      ValueError: `num_steps` is not a positive int.
+    """
+    _check_num_steps(num_steps)
+    return num_steps + 2
+
+
+def is_output_valid(pipeline_step: int, num_steps: int) -> bool:
+    """Whether call `pipeline_step` (0-based) runs the TC stage on a real batch.
+
+    True for `1 <= pipeline_step <= num_steps`: the call's output belongs to
+    batch `pipeline_step - 1`. Pass `fake_tc_step=not is_output_valid(...)`.
+    """
+    return 1 <= pipeline_step <= num_steps
+
+
+def get_pipeline_state_sharding(
+    pipeline_state_cls: Callable[..., PipelineState],
+    dense_input_sharding: ShardingTree,
+    sparse_input_sharding: ShardingTree,
+    pipeline_output_sharding: ShardingTree,
+    tc_aux_sharding: ShardingTree,
+    *,
+    sc_fwd_aux_sharding: ShardingTree | None = None,
+) -> PipelineState:
+    """The shardings of a `PipelineState`, for `jax.device_put` or `jax.jit`.
+
+    Embedding activations and gradients are sharded like the sparse inputs
+    (by batch rows, e.g. `NamedSharding(mesh, P("data"))` on the 1-D mesh of
+    `embedding.sparse_dense_matmul`). `pipeline_step` is left to `jax.jit`
+    (`None`).
+
+    Args:
+      pipeline_state_cls: `PipelineState`, possibly with type parameters.
+      dense_input_sharding: of the dense inputs (every leaf, or a prefix).
+      sparse_input_sharding: of the sparse inputs, activations and gradients.
+      pipeline_output_sharding: of the TC stage's output, e.g. replicated
+        `NamedSharding(mesh, P())` for scalar metrics.
+      tc_aux_sharding: of the TC stage's aux.
+      sc_fwd_aux_sharding: of the SC forward stage's aux; defaults to
+        `dense_input_sharding` (give a replicated one for scalar aux).
+
+    Returns:
+      A `pipeline_state_cls` whose leaves are shardings (tree prefixes of the
+      state).
+    """
+    if sc_fwd_aux_sharding is None:
+        sc_fwd_aux_sharding = dense_input_sharding
+    return pipeline_state_cls(
+        pipeline_step=None,
+        last_step_inputs=LastStepInput(
+            sparse_inputs=sparse_input_sharding,
+            embedding_activations=sparse_input_sharding,
+            dense_inputs=dense_input_sharding,
+            sc_fwd_aux=sc_fwd_aux_sharding,
+        ),
+        step_before_last_step_inputs=StepBeforeLastStepInput(
+            sparse_inputs=sparse_input_sharding,
+            embedding_gradients=sparse_input_sharding,
+            tc_aux=tc_aux_sharding,
+        ),
+        placeholder_output=pipeline_output_sharding,
+        placeholder_tc_aux=tc_aux_sharding,
+    )
+
+
+def get_initial_state(
+    pipeline_input: CurrentStepInput,
+    tc_train_state: Any,
+    embedding_variables: Any,
+    sc_fwd_function: ScFwdStageFun,
+    tc_function: TcStageFun,
+    dense_input_sharding: jax.sharding.Sharding | None = None,
+    sparse_input_sharding: jax.sharding.Sharding | None = None,
+) -> PipelineState:
+    """The pipeline state before call 0: zeros shaped like what the stages pass on.
+
+    Traces (does not run) `sc_fwd_function` and `tc_function` to learn the
+    shapes of activations, gradients, aux values and output. Every leaf is a
+    buffer of its own, so the state can be donated.
+
+    Args:
+      pipeline_input: a batch shaped like every batch the pipeline will get
+        (e.g. the first; its values are not used).
+      tc_train_state: the TC train state.
+      embedding_variables: the embedding variables.
+      sc_fwd_function: the SC forward stage.
+      tc_function: the TC stage.
+      dense_input_sharding: places the dense-input placeholders (leaves with
+        at least one dimension); default: the default device.
+      sparse_input_sharding: places the sparse-input, activation and gradient
+        placeholders the same way.
+
+    Returns:
+      The initial `PipelineState` (`pipeline_step` 0).
+
+    Raises:
+      TypeError: `pipeline_input` is not a `CurrentStepInput`.
+      ValueError: a stage returns the wrong number of values, or the TC stage
+        changes the structure of the train state.
+    """
+    _check_pipeline_input(pipeline_input)
+    sparse = _zeros(pipeline_input.sparse_inputs, sparse_input_sharding)
+    dense = _zeros(pipeline_input.dense_inputs, dense_input_sharding)
+    activations, sc_fwd_aux = jax.eval_shape(
+        lambda s, v: _unpack(sc_fwd_function(s, v), "sc_fwd_function", _SC_FWD_OUTPUTS),
+        sparse,
+        embedding_variables,
+    )
+    activations = _zeros(activations, sparse_input_sharding)
+    sc_fwd_aux = _zeros(sc_fwd_aux, None)
+    tc = jax.eval_shape(
+        lambda *args: _run_tc(tc_function, *args), activations, dense, tc_train_state, sc_fwd_aux
+    )
+    _check_train_state(tc_train_state, tc.train_state)
+    return PipelineState(
+        pipeline_step=jnp.zeros((), jnp.int32),
+        last_step_inputs=LastStepInput(
+            sparse_inputs=sparse,
+            embedding_activations=activations,
+            dense_inputs=dense,
+            sc_fwd_aux=sc_fwd_aux,
+        ),
+        step_before_last_step_inputs=StepBeforeLastStepInput(
+            sparse_inputs=_zeros(sparse, sparse_input_sharding),
+            embedding_gradients=_zeros(tc.embedding_gradients, sparse_input_sharding),
+            tc_aux=_zeros(tc.tc_aux, None),
+        ),
+        placeholder_output=_zeros(tc.output, None),
+        placeholder_tc_aux=_zeros(tc.tc_aux, None),
+    )
+
+
+def step(
+    pipeline_input: CurrentStepInput,
+    tc_train_state: Any,
+    embedding_variables: Any,
+    pipeline_state: AnyPipelineState,
+    sc_fwd_function: ScFwdStageFun,
+    tc_function: TcStageFun,
+    sc_bwd_function: ScBwdStageFun,
+    *,
+    fake_tc_step: bool,
+    gradient_multiplier: jax.typing.ArrayLike | None = None,
+) -> tuple[Any, Any, Any, Any, AnyPipelineState]:
+    """One pipelined step: SC backward of batch i-2, SC forward of batch i, TC of batch i-1.
+
+    Jit-compatible with `sc_fwd_function`, `tc_function`, `sc_bwd_function`
+    and `fake_tc_step` static; a fake step does not trace `tc_function` at
+    all, so the fill/drain and steady-state steps are two straight-line
+    programs (no `lax.cond`).
+
+    Boundary steps either skip the TC stage (`fake_tc_step=True` at calls 0
+    and n+1, see `is_output_valid`) or, to keep one program for all calls,
+    run it and discard its effect with `gradient_multiplier`: with
+    `fake_tc_step=False` and `gradient_multiplier=float(is_output_valid(t, n))`
+    the results equal the `fake_tc_step` schedule exactly.
+
+    Args:
+      pipeline_input: batch i (`CurrentStepInput`); a dummy shaped like a
+        batch at calls n and n+1.
+      tc_train_state: the TC train state.
+      embedding_variables: the embedding variables.
+      pipeline_state: from `get_initial_state` or the previous call.
+      sc_fwd_function: the SC forward stage.
+      tc_function: the TC stage.
+      sc_bwd_function: the SC backward stage.
+      fake_tc_step: Python bool; skip the TC stage: the train state passes
+        through, the output is the zero placeholder, and the next call's SC
+        backward stage gets zero gradients and the zero placeholder aux.
+      gradient_multiplier: optional `float32[]`, normally 0 or 1, a traced
+        value. Scales the embedding gradients the TC stage hands the next
+        call's SC backward stage; where it is 0, the step also keeps the
+        train state and hands on the placeholder output and aux, as a fake
+        step would. Only with `fake_tc_step=False`.
+
+    Returns:
+      `(pipeline_output, sc_bwd_aux, tc_train_state, embedding_variables,
+      pipeline_state)`: the TC output of batch i-1 (valid when
+      `is_output_valid`), the SC backward aux of batch i-2, and the updated
+      states.
+
+    Raises:
+      TypeError: `fake_tc_step` is not a Python bool (e.g. not static under
+        `jax.jit`), or the inputs are not the pipeline's types.
+      ValueError: `gradient_multiplier` is not a scalar or comes with
+        `fake_tc_step=True`; a stage returns the wrong number of values.
+    """
+    _check_flags(fake_tc_step, gradient_multiplier)
+    _check_pipeline_input(pipeline_input)
+    if not isinstance(pipeline_state, PipelineState):
+        raise TypeError(
+            f"pipeline_state must be a PipelineState, got {type(pipeline_state).__name__}; "
+            "build it with get_initial_state and pass on the one each step returns."
+        )
+    before_last = pipeline_state.step_before_last_step_inputs
+    last = pipeline_state.last_step_inputs
+    with jax.named_scope("pipelined_sc_bwd"):
+        embedding_variables, sc_bwd_aux = _unpack(
+            sc_bwd_function(
+                before_last.sparse_inputs,
+                before_last.embedding_gradients,
+                embedding_variables,
+                before_last.tc_aux,
+            ),
+            "sc_bwd_function",
+            _SC_BWD_OUTPUTS,
+        )
+    with jax.named_scope("pipelined_sc_fwd"):
+        activations, sc_fwd_aux = _unpack(
+            sc_fwd_function(pipeline_input.sparse_inputs, embedding_variables),
+            "sc_fwd_function",
+            _SC_FWD_OUTPUTS,
+        )
+    with jax.named_scope("pipelined_tc"):
+        tc = _tc_stage(
+            last, tc_train_state, pipeline_state, tc_function, fake_tc_step, gradient_multiplier
+        )
+    new_state = PipelineState(
+        pipeline_step=pipeline_state.pipeline_step + 1,
+        last_step_inputs=LastStepInput(
+            sparse_inputs=pipeline_input.sparse_inputs,
+            embedding_activations=activations,
+            dense_inputs=pipeline_input.dense_inputs,
+            sc_fwd_aux=sc_fwd_aux,
+        ),
+        step_before_last_step_inputs=StepBeforeLastStepInput(
+            sparse_inputs=last.sparse_inputs,
+            embedding_gradients=tc.embedding_gradients,
+            tc_aux=tc.tc_aux,
+        ),
+        placeholder_output=pipeline_state.placeholder_output,
+        placeholder_tc_aux=pipeline_state.placeholder_tc_aux,
+    )
+    return tc.output, sc_bwd_aux, tc.train_state, embedding_variables, new_state
+
+
+def unstacked_tc_function(
+    tc_function: TcStageFun,
+    *,
+    unstack_activations: Callable[[Any], Any],
+    stack_gradients: Callable[[Any], Any],
+) -> TcStageFun:
+    """A TC stage on stacked activations from one written on per-feature activations.
+
+    The returned stage unstacks the activations as its first operation and
+    stacks the gradients as its last, the ordering that lets the SC and TC
+    programs overlap. Make it once and pass the same object to every call
+    (`jax.jit` keys static functions by identity).
+
+    Args:
+      tc_function: a `TcStageFun` whose activations and gradients are per
+        feature, e.g. `float32[global_batch, embedding_dim]` by feature.
+      unstack_activations: stacked activations -> per-feature activations.
+      stack_gradients: per-feature gradients -> stacked gradients (the
+        layout of the stacked activations).
+
+    Returns:
+      The `TcStageFun` on stacked activations and gradients.
+    """
+
+    def stacked_tc_function(embedding_activations, dense_inputs, train_state, sc_fwd_aux=None):
+        per_feature = unstack_activations(embedding_activations)
+        gradients, output, train_state, tc_aux = _run_tc(
+            tc_function, per_feature, dense_inputs, train_state, sc_fwd_aux
+        )
+        return stack_gradients(gradients), output, train_state, tc_aux
+
+    return stacked_tc_function
+
+
+_SC_FWD_OUTPUTS = ("embedding_activations", "sc_fwd_aux")
+_SC_BWD_OUTPUTS = ("embedding_variables", "sc_bwd_aux")
+
+
+def _tc_stage(
+    last: LastStepInput,
+    train_state: Any,
+    pipeline_state: PipelineState,
+    tc_function: TcStageFun,
+    fake_tc_step: bool,
+    gradient_multiplier: jax.typing.ArrayLike | None,
+) -> _TcResult:
+    """Runs the TC stage of batch i-1, or stands in for it without tracing it."""
+    if fake_tc_step:
+        return _fake_tc(train_state, pipeline_state)
+    real = _run_tc(
+        tc_function, last.embedding_activations, last.dense_inputs, train_state, last.sc_fwd_aux
+    )
+    if gradient_multiplier is None:
+        return real
+    _check_train_state(train_state, real.train_state)
+    multiplier = jnp.asarray(gradient_multiplier, jnp.float32)
+    return _discard_where_zero(real, _fake_tc(train_state, pipeline_state), multiplier)
+
+
+def _fake_tc(train_state: Any, pipeline_state: PipelineState) -> _TcResult:
+    """What a step without the TC stage hands on: zeros, and the train state unchanged."""
+    # Fresh zeros rather than the state's own placeholders, so no two leaves
+    # of the returned state share a buffer (the state is donated next call).
+    return _TcResult(
+        embedding_gradients=_zeros_like(
+            pipeline_state.step_before_last_step_inputs.embedding_gradients
+        ),
+        output=_zeros_like(pipeline_state.placeholder_output),
+        train_state=train_state,
+        tc_aux=_zeros_like(pipeline_state.placeholder_tc_aux),
+    )
+
+
+def _discard_where_zero(real: _TcResult, fake: _TcResult, multiplier: jax.Array) -> _TcResult:
+    """`real` with its gradients scaled by `multiplier`; `fake` where that is 0.
+
+    Selects rather than multiplies the zero case, so NaNs the TC stage makes
+    from placeholder inputs never reach the tables or the train state.
+    """
+    keep = multiplier != 0
+
+    def select(r, f):
+        return jnp.where(keep, r, f)
+
+    def scale(g, f):
+        return jnp.where(keep, g * multiplier.astype(g.dtype), f)
+
+    return _TcResult(
+        embedding_gradients=jax.tree.map(scale, real.embedding_gradients, fake.embedding_gradients),
+        output=jax.tree.map(select, real.output, fake.output),
+        train_state=jax.tree.map(select, real.train_state, fake.train_state),
+        tc_aux=jax.tree.map(select, real.tc_aux, fake.tc_aux),
+    )
+
+
+def _run_tc(tc_function: TcStageFun, activations, dense_inputs, train_state, sc_fwd_aux):
+    result = tc_function(activations, dense_inputs, train_state, sc_fwd_aux)
+    return _TcResult(*_unpack(result, "tc_function", _TcResult._fields))
+
+
+def _unpack(result: Any, stage: str, names: Sequence[str]) -> tuple:
+    """`result` as a tuple of `len(names)` values, or a clear error."""
+    if not isinstance(result, tuple) or len(result) != len(names):
+        got = f"{len(result)} values" if isinstance(result, tuple) else type(result).__name__
+        raise ValueError(f"{stage} must return a tuple ({', '.join(names)}), got {got}.")
+    return result
+
+
+def _zeros(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
+    """Zeros shaped like every leaf of `tree` (arrays or `ShapeDtypeStruct`s), each its own buffer.
+
+    With `sharding`, leaves with at least one dimension are created sharded.
+    """
+
+    def zeros(leaf):
+        shape, dtype = np.shape(leaf), jnp.result_type(leaf)
+        if sharding is None or not shape:
+            return jnp.zeros(shape, dtype)
+        try:
+            return jnp.zeros(shape, dtype, device=sharding)
+        except ValueError as e:
+            raise ValueError(
+                f"Cannot place a {dtype}{list(shape)} placeholder with {sharding}: {e}"
+            ) from e
+
+    return jax.tree.map(zeros, tree)
+
+
+def _zeros_like(tree: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _check_num_steps(num_steps: int) -> None:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int | np.integer) or num_steps < 1:
+        raise ValueError(
+            f"num_steps must be a positive int (the number of batches), got {num_steps!r}."
+        )
+
+
+def _check_flags(fake_tc_step: Any, gradient_multiplier: Any) -> None:
+    if not isinstance(fake_tc_step, bool | np.bool_):
+        raise TypeError(
+            f"fake_tc_step must be a Python bool, got {type(fake_tc_step).__name__}; "
+            f"under jax.jit make it static: {_JIT_HINT}."
+        )
+    if gradient_multiplier is None:
+        return
+    if fake_tc_step:
+        raise ValueError(
+            "gradient_multiplier replaces fake_tc_step at boundary steps; "
+            "pass fake_tc_step=False with it (multiplier 0 discards the TC stage's effect)."
+        )
+    if np.shape(gradient_multiplier) != ():
+        raise ValueError(
+            f"gradient_multiplier must be a scalar, got shape {np.shape(gradient_multiplier)}."
+        )
+
+
+def _check_pipeline_input(pipeline_input: Any) -> None:
+    if not isinstance(pipeline_input, CurrentStepInput):
+        raise TypeError(
+            f"pipeline_input must be a CurrentStepInput(sparse_inputs=..., dense_inputs=...), "
+            f"got {type(pipeline_input).__name__}."
+        )
+
+
+def _check_train_state(before: Any, after: Any) -> None:
+    if jax.tree.structure(before) != jax.tree.structure(after):
+        raise ValueError(
+            "tc_function must return a train state with the structure of the one it gets: "
+            f"got {jax.tree.structure(after)}, expected {jax.tree.structure(before)}."
+        )
