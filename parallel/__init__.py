@@ -1,1 +1,48 @@
-"""parallel."""
+"""Cross-host agreement and parallel execution on top of `embedding`.
+
+`parallel.allreduce`: the gRPC OR all-reduce hosts use to agree on
+minibatching.
+
+SC/TC step pipelining (`step` and its helpers): the sparse update and lookup
+of one batch beside the dense forward/backward pass of the previous one.
+
+`parallel.pipeshard`: pipeline stages of the dense model on sub-meshes,
+data parallel inside each (Alpa-style pipeshard execution).
+"""
+
+from parallel import allreduce, pipeshard
+from parallel._sc_tc import (
+    get_initial_state,
+    get_pipeline_state_sharding,
+    get_pipeline_train_steps,
+    is_output_valid,
+    step,
+    unstacked_tc_function,
+)
+from parallel._sc_tc_types import (
+    CurrentStepInput,
+    LastStepInput,
+    PipelineState,
+    ScBwdStageFun,
+    ScFwdStageFun,
+    StepBeforeLastStepInput,
+    TcStageFun,
+)
+
+__all__ = [
+    "CurrentStepInput",
+    "LastStepInput",
+    "PipelineState",
+    "ScBwdStageFun",
+    "ScFwdStageFun",
+    "StepBeforeLastStepInput",
+    "TcStageFun",
+    "allreduce",
+    "get_initial_state",
+    "get_pipeline_state_sharding",
+    "get_pipeline_train_steps",
+    "is_output_valid",
+    "pipeshard",
+    "step",
+    "unstacked_tc_function",
+]
