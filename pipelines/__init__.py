@@ -5,6 +5,10 @@ Records are serialized `tf.train.Example`s in ArrayRecord or TFRecord files;
 dense features and labels.
 """
 
+from pipelines._batching import BatchingConfig
+from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
+from pipelines._grain import GrainOptions, make_grain_iterator
+from pipelines._host_iterator import HostIterator
 from pipelines._parse import (
     BadRecordError,
     FeatureLayout,
@@ -12,18 +16,42 @@ from pipelines._parse import (
     parse_examples,
     parse_examples_lenient,
 )
+from pipelines._preprocess_stage import (
+    BadRecordPolicy,
+    HostAgreementError,
+    HostBatch,
+    InputRecordError,
+    PreprocessConfig,
+)
 from pipelines._records import list_record_files, read_records
+from pipelines._stats import BatchReport, PipelineStats
 from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synthetic_dataset
+from pipelines._tfdata import make_tfdata_iterator
 
 __all__ = [
     "BadRecordError",
+    "BadRecordPolicy",
+    "BatchReport",
+    "BatchingConfig",
+    "DeviceBatch",
+    "DeviceIterator",
     "FeatureLayout",
+    "GrainOptions",
+    "HostAgreementError",
+    "HostBatch",
+    "HostIterator",
+    "InputRecordError",
     "ParsedBatch",
+    "PipelineStats",
+    "PreprocessConfig",
     "SyntheticDataset",
     "SyntheticFeature",
     "list_record_files",
+    "make_grain_iterator",
+    "make_tfdata_iterator",
     "parse_examples",
     "parse_examples_lenient",
     "read_records",
+    "to_device_batch",
     "write_synthetic_dataset",
 ]

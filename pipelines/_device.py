@@ -1,0 +1,214 @@
+"""Device placement: host batches -> global `jax.Array`s, prefetched while a step runs.
+
+Every array of a `HostBatch` is this host's share of a global array whose
+dim 0 follows the devices of the 1-D mesh: the layout arrays per stacked
+table (`[L * ...]` per host -> `[G * ...]`), `num_minibatches` (`[L]` ->
+`[G]`), the dense features and the labels (`[host_batch, ...]` ->
+`[global_batch, ...]`). `jax.make_array_from_process_local_data` assembles
+them, device d holding its own slice.
+
+`DeviceIterator` does this in a background thread that keeps up to
+`buffer_size` batches on the devices ahead of the training loop, and keeps,
+with each batch, the host iterator's state after it: `get_state()` is the
+position after the last batch the loop took, not after the batches still in
+the buffer, so a checkpoint resumes exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import embedding
+from pipelines._host_iterator import HostIterator
+from pipelines._preprocess_stage import HostBatch
+
+_PUT_POLL_S = 0.1
+
+
+class DeviceBatch(NamedTuple):
+    """A global batch on the devices.
+
+    Attributes:
+      batch_number: the global batch's index.
+      preprocessed: the layout as global arrays sharded over the mesh on dim
+        0 (`row_pointers` `int32[G * ...]`, ..., `num_minibatches` `int32[G]`),
+        the input of `embedding.sparse_dense_matmul`.
+      dense: `float32[global_batch, num_dense_features]`, sharded by rows.
+      labels: `int32[global_batch]`, sharded by rows.
+    """
+
+    batch_number: int
+    preprocessed: embedding.PreprocessedInput
+    dense: jax.Array
+    labels: jax.Array
+
+
+def _row_sharding(mesh: Mesh) -> NamedSharding:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"Batches shard over a 1-D mesh; got axes {mesh.axis_names}. Build one with "
+            "jax.sharding.Mesh(jax.devices(), ('x',))."
+        )
+    return NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+
+
+def to_device_batch(batch: HostBatch, mesh: Mesh) -> DeviceBatch:
+    """Assembles the global arrays of `batch` over `mesh` (every host calls it).
+
+    Raises:
+      ValueError: the mesh is not 1-D, or its local devices are not those
+        the batch was preprocessed for.
+    """
+    sharding = _row_sharding(mesh)
+    local = batch.preprocessed.num_minibatches.shape[0]
+    if local != mesh.local_mesh.size:
+        raise ValueError(
+            f"Batch {batch.batch_number} was preprocessed for {local} local devices, the "
+            f"mesh has {mesh.local_mesh.size} on this host; set local_device_count to "
+            "mesh.local_mesh.size."
+        )
+    put = functools.partial(jax.make_array_from_process_local_data, sharding)
+    return DeviceBatch(
+        batch_number=batch.batch_number,
+        preprocessed=jax.tree.map(put, batch.preprocessed),
+        dense=put(batch.dense),
+        labels=put(batch.labels),
+    )
+
+
+class _End(NamedTuple):
+    error: BaseException | None
+
+
+class DeviceIterator(Iterator[DeviceBatch]):
+    """Global device batches of a `HostIterator`, placed ahead in a background thread.
+
+    Args:
+      host: the host batches (closed with this iterator).
+      mesh: the 1-D mesh of all devices.
+      buffer_size: batches kept on the devices ahead of the caller.
+
+    Example:
+      with DeviceIterator(make_grain_iterator(...), mesh) as batches:
+          for batch in batches:
+              state = train_step(state, batch)
+    """
+
+    def __init__(self, host: HostIterator, mesh: Mesh, *, buffer_size: int = 2):
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ValueError(f"buffer_size must be an integer >= 1, got {buffer_size!r}.")
+        _row_sharding(mesh)
+        self._host = host
+        self._mesh = mesh
+        self._buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state = host.get_state()
+        self._ended: _End | None = None
+        self._closed = False
+
+    @property
+    def num_batches(self) -> int:
+        return self._host.num_batches
+
+    def stats(self) -> dict:
+        """The pipeline's per-stage statistics (see `PipelineStats.as_dict`)."""
+        return self._host.stats()
+
+    def __iter__(self) -> DeviceIterator:
+        return self
+
+    def __next__(self) -> DeviceBatch:
+        if self._ended is None:
+            self.start_prefetch()
+            start = time.perf_counter()
+            item = self._buffer.get()
+            self._host.pipeline_stats.add_device_wait(time.perf_counter() - start)
+            if not isinstance(item, _End):
+                batch, self._state = item
+                return batch
+            self._ended = item
+            self._join()
+        if self._ended.error is not None:
+            raise self._ended.error
+        raise StopIteration
+
+    def start_prefetch(self) -> None:
+        """Starts placing batches before the first `next()`."""
+        if self._closed:
+            raise ValueError("The device iterator is closed.")
+        if self._thread is None and self._ended is None:
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._produce, name="sparseflow-device-prefetch", daemon=True
+            )
+            self._thread.start()
+
+    def get_state(self) -> bytes:
+        """The host iterator's state after the last batch this iterator returned."""
+        return self._state
+
+    def set_state(self, state: bytes) -> None:
+        """Continues after the batch a `get_state()` state was taken at."""
+        self._join()
+        self._host.set_state(state)
+        self._state = state
+        self._ended = None
+
+    def close(self) -> None:
+        """Stops the thread (once the batch it prepares is ready) and closes the host iterator."""
+        if self._closed:
+            return
+        self._closed = True
+        self._join()
+        self._host.close()
+
+    def __enter__(self) -> DeviceIterator:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    host_batch = next(self._host)
+                except StopIteration:
+                    self._put(_End(None))
+                    return
+                state = self._host.get_state()
+                start = time.perf_counter()
+                batch = to_device_batch(host_batch, self._mesh)
+                self._host.pipeline_stats.add_device_put(time.perf_counter() - start)
+                self._put((batch, state))
+        except Exception as error:  # handed to the caller's next()
+            self._put(_End(error))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._buffer.put(item, timeout=_PUT_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _join(self) -> None:
+        """Stops the thread (after the batch it is preparing) and empties the buffer."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        while not self._buffer.empty():
+            self._buffer.get_nowait()

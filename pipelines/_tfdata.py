@@ -1,0 +1,216 @@
+"""The tf.data input path: TFRecord files -> preprocessed host batches.
+
+For users whose data is TFRecord: the files are read in file order with
+tf.data,
+
+    TFRecordDataset(files)
+      .take(batches_per_epoch * global_batch)   # the epoch's full global batches
+      .batch(host_batch)                        # chunk c: rows of global batch c // P
+      .shard(P, p)                              # host p's chunks
+      .repeat(epochs)
+
+and every chunk is parsed with `tf.io.parse_example` (ragged features,
+`parse_examples`) and preprocessed by the same `PreprocessStage` as the Grain
+path, so both paths give identical batches for the same (unshuffled) order,
+bad-record fill-ins included. TFRecord files are sequential: every host reads
+the whole stream and keeps its chunks, and a fill-in read (rare) rescans the
+files up to the records it needs. The state is the next batch number; a
+restore skips to it by reading past the earlier chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from pipelines._batching import BatchingConfig, BatchPlan, RecordFiles
+from pipelines._host_iterator import HostIterator
+from pipelines._preprocess_stage import (
+    HostBatch,
+    PreprocessConfig,
+    PreprocessStage,
+    check_batch_sizes,
+)
+from pipelines._records import (
+    PathOrPaths,
+    RecordFormat,
+    list_record_files,
+    record_format,
+    tf_error_reason,
+)
+from pipelines._stats import PipelineStats
+
+_COUNT_BATCH = 4096
+_PREFETCH = 2
+
+
+class TFRecordReader:
+    """Reads TFRecord records by dataset index (by scanning: for fill-ins only)."""
+
+    def __init__(self, paths: list[str]):
+        for path in paths:
+            if record_format(path) is not RecordFormat.TFRECORD:
+                raise ValueError(
+                    f"The tf.data path reads TFRecord files (*.tfrecord); {path} is not one. "
+                    "Read ArrayRecord files with make_grain_iterator."
+                )
+        counts = tuple(_count_records(path) for path in paths)
+        self._files = RecordFiles(tuple(paths), counts)
+
+    @property
+    def files(self) -> RecordFiles:
+        return self._files
+
+    def read(self, record_indices: Sequence[int]) -> list[bytes]:
+        records = []
+        for start, stop in _runs([int(i) for i in record_indices]):
+            dataset = tf.data.TFRecordDataset(list(self._files.paths)).skip(start)
+            records.extend(_numpy_records(dataset.take(stop - start), self._files.paths))
+        return records
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """`indices` as maximal runs `[start, stop)` of consecutive values, in order."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+def _count_records(path: str) -> int:
+    dataset = tf.data.TFRecordDataset(path).batch(_COUNT_BATCH)
+    try:
+        return int(dataset.reduce(tf.constant(0, tf.int64), lambda n, b: n + tf.size(b, tf.int64)))
+    except tf.errors.OpError as error:
+        raise ValueError(
+            f"{path}: corrupt or truncated TFRecord file: {tf_error_reason(error)}"
+        ) from error
+
+
+def _numpy_records(dataset: tf.data.Dataset, paths) -> list[bytes]:
+    try:
+        return list(dataset.as_numpy_iterator())
+    except tf.errors.OpError as error:
+        raise ValueError(
+            f"Reading {list(paths)}: corrupt or truncated TFRecord file: {tf_error_reason(error)}"
+        ) from error
+
+
+class _TFDataSource:
+    """Host batches from a tf.data stream of this host's record chunks."""
+
+    def __init__(self, plan: BatchPlan, reader: TFRecordReader, stage: PreprocessStage):
+        self._plan = plan
+        self._reader = reader
+        self._stage = stage
+        self._next_batch = 0
+        self._chunks = None
+
+    def _stream(self, start: int):
+        config = self._plan.config
+        dataset = (
+            tf.data.TFRecordDataset(list(self._reader.files.paths))
+            .take(self._plan.batches_per_epoch * config.global_batch_size)
+            .batch(config.host_batch_size, drop_remainder=True)
+            .shard(config.process_count, config.process_index)
+            .repeat(config.num_epochs)
+            .skip(start)
+            .prefetch(_PREFETCH)
+        )
+        return iter(dataset)
+
+    def __next__(self) -> HostBatch:
+        batch_number = self._next_batch
+        if batch_number >= self._plan.num_batches:
+            raise StopIteration
+        if self._chunks is None:
+            self._chunks = self._stream(batch_number)
+        start = time.perf_counter()
+        try:
+            chunk = next(self._chunks)
+        except StopIteration:
+            raise RuntimeError(
+                f"The TFRecord files {list(self._reader.files.paths)} ended before batch "
+                f"{batch_number} of {self._plan.num_batches}; did they change while read?"
+            ) from None
+        except tf.errors.OpError as error:
+            raise ValueError(
+                f"Reading {list(self._reader.files.paths)}: corrupt or truncated TFRecord "
+                f"file: {tf_error_reason(error)}"
+            ) from error
+        records = chunk.numpy().tolist()
+        batch = self._stage(
+            batch_number,
+            records,
+            plan=self._plan,
+            reader=self._reader,
+            read_s=time.perf_counter() - start,
+        )
+        self._next_batch += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"next_batch": self._next_batch}
+
+    def set_state(self, state: dict) -> None:
+        self._next_batch = int(state["next_batch"])
+        self._chunks = None
+
+    def start_prefetch(self) -> None:
+        if self._chunks is None:
+            self._chunks = self._stream(self._next_batch)
+
+    def close(self) -> None:
+        self._chunks = None
+
+
+def make_tfdata_iterator(
+    data: PathOrPaths,
+    *,
+    batching: BatchingConfig,
+    preprocess: PreprocessConfig,
+    log_interval_s: float | None = 60.0,
+) -> HostIterator:
+    """This host's preprocessed batches of a TFRecord dataset, through tf.data.
+
+    The batches equal those of `make_grain_iterator` over the same records
+    in ArrayRecord files, unshuffled.
+
+    Args:
+      data: TFRecord files, directories or glob patterns.
+      batching: global batch and hosts; `shuffle_seed` must be None (this
+        path reads in file order).
+      preprocess: parsing and preprocessing, as for the Grain path.
+      log_interval_s: seconds between logged stats summaries (None: never).
+
+    Returns:
+      A `HostIterator` of `num_batches` `HostBatch`es. Close it (or use `with`).
+
+    Raises:
+      ValueError: inconsistent settings, a shuffle seed, unreadable files, or
+        a dataset smaller than one global batch.
+    """
+    if batching.shuffle_seed is not None:
+        raise ValueError(
+            f"The tf.data path reads records in file order; got shuffle_seed="
+            f"{batching.shuffle_seed}. Set it to None, or read ArrayRecord files with "
+            "make_grain_iterator, which shuffles globally."
+        )
+    check_batch_sizes(batching, preprocess)
+    reader = TFRecordReader(list_record_files(data))
+    plan = BatchPlan(config=batching, num_records=reader.files.num_records)
+    stage = PreprocessStage(preprocess)
+    pipeline = {"path": "tfdata", "num_records": plan.num_records, **dataclasses.asdict(batching)}
+    return HostIterator(
+        _TFDataSource(plan, reader, stage),
+        pipeline=pipeline,
+        num_batches=plan.num_batches,
+        stats=PipelineStats("tf.data input", log_interval_s=log_interval_s),
+        on_close=stage.close,
+    )
