@@ -13,6 +13,8 @@ Per stacked table, inside `jax.shard_map`, every device:
    (`_optimizer_updates`) and scatters them back. Only rows with an entry in
    the batch are written; every other row and slot keeps its bits.
 
+A minibatched input repeats 1-5 per minibatch, in order.
+
 The tables and slots are donated, so the update happens in place: the
 scatters write into the buffers the gathers read, ordered by the data
 dependency between them, and the compiled program holds no copy of a table.
@@ -29,9 +31,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from embedding._lookup import (
+    Entries,
     LayoutArrays,
     StackGeometry,
+    decode,
     exchange,
+    over_minibatches,
     prepare_call,
     route,
 )
@@ -39,18 +44,6 @@ from embedding._optimizer_updates import apply_optimizer
 from embedding._preprocess import PreprocessedInput
 from embedding._stacking import Nested
 from embedding._variables import EmbeddingVariables, mesh_axis
-
-
-def _slot_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Array:
-    """Per-feature gradients `[S * n_f, dim_f]` -> the slot layout `[S, P, D]`."""
-    blocks = [
-        jnp.pad(
-            grad.astype(jnp.float32).reshape(g.slots, f.samples_per_slot, f.dim),
-            ((0, 0), (0, 0), (0, g.dim - f.dim)),
-        )
-        for grad, f in zip(grads, g.features, strict=True)
-    ]
-    return jnp.concatenate(blocks, axis=1)
 
 
 def merge_duplicate_rows(
@@ -74,6 +67,56 @@ def merge_duplicate_rows(
     representative = first_position.at[rows].get(mode="fill", fill_value=rows.shape[0])
     merged = jnp.zeros_like(grads).at[representative].add(grads, mode="drop")
     return representative == positions, merged
+
+
+def _entry_gradients(grads: tuple[jax.Array, ...], entries: Entries, g: StackGeometry) -> jax.Array:
+    """`float32[S, C, D]`: gain times the sample's gradient, for every entry."""
+    blocks = [
+        jnp.pad(
+            grad.astype(jnp.float32).reshape(g.slots, f.samples_per_slot, f.dim),
+            ((0, 0), (0, 0), (0, g.dim - f.dim)),
+        )
+        for grad, f in zip(grads, g.features, strict=True)
+    ]
+    sample_grads = jnp.concatenate(blocks, axis=1)
+    slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
+    entry_grads = sample_grads.at[slot, entries.samples].get(mode="fill", fill_value=0)
+    return entry_grads * entries.gains[..., None]
+
+
+def _update_minibatch(
+    entries: Entries,
+    entry_grads: jax.Array,
+    variables: EmbeddingVariables,
+    learning_rate: jax.Array,
+    step: jax.Array,
+    g: StackGeometry,
+    axis: str,
+    minibatch: Any,
+) -> EmbeddingVariables:
+    routing = route(entries, g, minibatch)
+    slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
+    unique_grads = jnp.zeros((g.slots, g.devices, g.uniques, g.dim), jnp.float32)
+    unique_grads = unique_grads.at[slot, routing.dest, routing.unique].add(entry_grads, mode="drop")
+    rows = exchange(routing.send_rows, axis).reshape(-1)
+    received = exchange(unique_grads, axis).reshape(-1, g.dim)
+    first, merged = merge_duplicate_rows(rows, received, g.shard_rows)
+    target = jnp.where(first, rows, g.shard_rows)
+    old_rows = variables.table.at[target].get(mode="fill", fill_value=0)
+    old_slots = {
+        name: values.at[target].get(mode="fill", fill_value=0)
+        for name, values in variables.slots.items()
+    }
+    new_rows, new_slots = apply_optimizer(
+        g.optimizer, old_rows, old_slots, merged, learning_rate=learning_rate, step=step
+    )
+    return EmbeddingVariables(
+        variables.table.at[target].set(new_rows, mode="drop"),
+        {
+            name: values.at[target].set(new_slots[name], mode="drop")
+            for name, values in variables.slots.items()
+        },
+    )
 
 
 def update_stack(
@@ -101,32 +144,15 @@ def update_stack(
       The updated shards.
     """
     g = geometry
-    routing = route(layout, g)
-    slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
-    sample_grads = _slot_gradients(grads, g)
-    entry_grads = sample_grads.at[slot, routing.samples].get(mode="fill", fill_value=0)
-    unique_grads = jnp.zeros((g.slots, g.devices, g.uniques, g.dim), jnp.float32)
-    unique_grads = unique_grads.at[slot, routing.dest, routing.unique].add(
-        entry_grads * routing.gains[..., None], mode="drop"
-    )
-    rows = exchange(routing.send_rows, axis).reshape(-1)
-    received = exchange(unique_grads, axis).reshape(-1, g.dim)
-    first, merged = merge_duplicate_rows(rows, received, g.shard_rows)
-    target = jnp.where(first, rows, g.shard_rows)
-    old_rows = variables.table.at[target].get(mode="fill", fill_value=0)
-    old_slots = {
-        name: values.at[target].get(mode="fill", fill_value=0)
-        for name, values in variables.slots.items()
-    }
-    new_rows, new_slots = apply_optimizer(
-        g.optimizer, old_rows, old_slots, merged, learning_rate=learning_rate, step=step
-    )
-    return EmbeddingVariables(
-        variables.table.at[target].set(new_rows, mode="drop"),
-        {
-            name: values.at[target].set(new_slots[name], mode="drop")
-            for name, values in variables.slots.items()
-        },
+    entries = decode(layout, g)
+    entry_grads = _entry_gradients(grads, entries, g)
+    return over_minibatches(
+        g,
+        layout.num_minibatches,
+        lambda k, current: _update_minibatch(
+            entries, entry_grads, current, learning_rate, step, g, axis, k
+        ),
+        variables,
     )
 
 
@@ -177,6 +203,8 @@ def apply_gradients(
     feature_specs: Nested,
     mesh: Mesh,
     step: Any,
+    *,
+    enable_minibatching: bool = False,
 ) -> dict[str, EmbeddingVariables]:
     """Backpropagates activation gradients into the tables and updates them.
 
@@ -199,6 +227,8 @@ def apply_gradients(
       mesh: 1-D mesh over all devices.
       step: scalar int, the training step (0 for the first update); feeds
         learning-rate schedules and Adam's bias correction.
+      enable_minibatching: as passed to the preprocessing; the minibatches
+        are applied one after the other.
 
     Returns:
       The updated `EmbeddingVariables` by stack name.
@@ -206,7 +236,9 @@ def apply_gradients(
     Raises:
       ValueError: the gradients, input, variables and specs disagree.
     """
-    call = prepare_call(preprocessed_input, embedding_variables, feature_specs, mesh)
+    call = prepare_call(
+        preprocessed_input, embedding_variables, feature_specs, mesh, enable_minibatching
+    )
     grads = _checked_gradients(activation_grads, call)
     return _apply(
         grads, call.layout, dict(embedding_variables), step, geometries=call.geometries, mesh=mesh

@@ -104,24 +104,30 @@ def table_key(key: jax.Array, table_name: str) -> jax.Array:
     return jax.random.fold_in(key, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
 
 
+def _namespace(x: Any):
+    """numpy for host arrays (no device round trip), else jax.numpy."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
 def to_sharded_order(
-    logical: Sequence[jax.Array], tables: Sequence[TableSpec], num_partitions: int
-) -> jax.Array:
+    logical: Sequence[Any], tables: Sequence[TableSpec], num_partitions: int
+) -> Any:
     """Stacks logical tables into sharded row order.
 
     Args:
       logical: per table of the stack (row-offset order), `[vocabulary_size,
-        embedding_dim]`.
+        embedding_dim]`; numpy arrays give a numpy result.
       tables: the prepared specs of those tables.
       num_partitions: N.
 
     Returns:
       `[stack_vocab_size, padded_dim]`, zero padded.
     """
+    xp = _namespace(logical[0])
     blocks = []
     for values, table in zip(logical, tables, strict=True):
         setting = table.setting_in_stack
-        values = jnp.pad(
+        values = xp.pad(
             values,
             (
                 (0, setting.padded_vocab_size - values.shape[0]),
@@ -130,22 +136,21 @@ def to_sharded_order(
         )
         # [q, r] holds id r*N + q, which lives in partition (q + rotation) mod N.
         by_partition = values.reshape(-1, num_partitions, values.shape[1]).transpose(1, 0, 2)
-        blocks.append(jnp.roll(by_partition, setting.shard_rotation, axis=0))
-    stacked = jnp.concatenate(blocks, axis=1)
+        blocks.append(xp.roll(by_partition, setting.shard_rotation, axis=0))
+    stacked = xp.concatenate(blocks, axis=1)
     return stacked.reshape(-1, stacked.shape[2])
 
 
-def to_logical_order(
-    sharded: jax.Array, tables: Sequence[TableSpec], num_partitions: int
-) -> list[jax.Array]:
+def to_logical_order(sharded: Any, tables: Sequence[TableSpec], num_partitions: int) -> list[Any]:
     """Inverse of `to_sharded_order`: `[stack_vocab, D]` -> per table `[vocab, dim]`."""
+    xp = _namespace(sharded)
     by_partition = sharded.reshape(num_partitions, -1, sharded.shape[1])
     logical = []
     for table in tables:
         setting = table.setting_in_stack
         start = setting.row_offset_in_shard
         block = by_partition[:, start : start + setting.padded_vocab_size // num_partitions]
-        block = jnp.roll(block, -setting.shard_rotation, axis=0).transpose(1, 0, 2)
+        block = xp.roll(block, -setting.shard_rotation, axis=0).transpose(1, 0, 2)
         block = block.reshape(-1, block.shape[2])
         logical.append(block[: table.vocabulary_size, : table.embedding_dim])
     return logical
@@ -189,17 +194,27 @@ def init_embedding_variables(
     Returns:
       `EmbeddingVariables` by stack name.
     """
+    return init_program(feature_specs, mesh, num_sc_per_device)(key)
+
+
+def init_program(feature_specs: Nested, mesh: Mesh, num_sc_per_device: int):
+    """The jitted `key -> {stack name: EmbeddingVariables}` behind
+    `init_embedding_variables` (exposed to inspect its compiled form)."""
+    return _init_program(tuple(jax.tree.leaves(feature_specs)), mesh, num_sc_per_device)
+
+
+@functools.lru_cache(maxsize=32)
+def _init_program(leaves: tuple, mesh: Mesh, num_sc_per_device: int):
     sharding = row_sharding(mesh)
     num_partitions = mesh.size * num_sc_per_device
-    stacks = stack_members(feature_specs, mesh.size, num_sc_per_device)
-    init = jax.jit(
-        lambda k: {
-            name: _init_stack(k, members, num_partitions, sharding)
+    stacks = stack_members(list(leaves), mesh.size, num_sc_per_device)
+    return jax.jit(
+        lambda key: {
+            name: _init_stack(key, members, num_partitions, sharding)
             for name, members in stacks.items()
         },
         out_shardings=sharding,
     )
-    return init(key)
 
 
 def shard_tables(
@@ -302,5 +317,5 @@ def gather_tables(
             else multihost_utils.process_allgather(values, tiled=True)
         )
         logical = to_logical_order(host, members[name].tables, num_partitions)
-        out.update({t.name: np.asarray(v) for t, v in zip(members[name].tables, logical)})
+        out.update({t.name: np.ascontiguousarray(v) for t, v in zip(members[name].tables, logical)})
     return out

@@ -1,0 +1,231 @@
+"""Test cases and float64 numpy references for the sharded lookup and updates.
+
+The references are written from the math (DESIGN.md sections 1 and 5, the
+optimizers' papers and TensorFlow's `ApplyFtrl` documentation), on dense
+logical tables, with explicit loops over samples and ids; they share nothing
+with the implementation.
+
+The case: table "a" (300 x 8) read by features "a1" and "a2" (feature
+stacking); tables "b" (200 x 5) and "c" (100 x 8) stacked into "bc" (table
+stacking, dims padded to 8). Rows have 1..4 ids, with duplicates inside a row
+and hot ids shared by many rows and devices, positive weights, and most of
+each vocabulary untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+import embedding
+
+BATCH = 32
+TABLES = {"a": (300, 8), "b": (200, 5), "c": (100, 8)}
+FEATURE_TABLES = {"a1": "a", "a2": "a", "b1": "b", "c1": "c"}
+
+
+def default_limit(devices: int, slots: int) -> int:
+    """Room for the case's busiest partition; small, to keep buffers small."""
+    return max(32, 256 // (devices * slots))
+
+
+def mesh_of(devices: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:devices]), ("x",))
+
+
+def feature_specs(
+    combiner: str,
+    optimizer: embedding.OptimizerSpec | dict[str, embedding.OptimizerSpec],
+    devices: int,
+    slots: int,
+    *,
+    limit: int | None = None,
+) -> dict[str, embedding.FeatureSpec]:
+    """The case's specs, with "b" and "c" stacked for `devices` x `slots`.
+
+    `optimizer` is one spec for every table or one per table name ("b" and
+    "c" must share theirs).
+    """
+    limit = limit or default_limit(devices, slots)
+    optimizers = optimizer if isinstance(optimizer, dict) else dict.fromkeys(TABLES, optimizer)
+    tables = {
+        name: embedding.TableSpec(
+            name=name,
+            vocabulary_size=vocab,
+            embedding_dim=dim,
+            initializer=embedding.initializers.Normal(stddev=1.0),
+            optimizer=optimizers[name],
+            combiner=combiner,
+            max_ids_per_partition=limit,
+            max_unique_ids_per_partition=limit,
+        )
+        for name, (vocab, dim) in TABLES.items()
+    }
+    specs = {
+        name: embedding.FeatureSpec(
+            name=name,
+            table_spec=tables[table],
+            input_shape=[BATCH, 4],
+            output_shape=[BATCH, TABLES[table][1]],
+        )
+        for name, table in FEATURE_TABLES.items()
+    }
+    return embedding.stack_tables(specs, ["b", "c"], devices, slots, stack_name="bc")
+
+
+@dataclasses.dataclass
+class Batch:
+    """Ragged ids and weights per feature: lists of 1-D arrays, one per row."""
+
+    ids: dict[str, list[np.ndarray]]
+    weights: dict[str, list[np.ndarray]]
+
+    def as_input(self) -> tuple[dict, dict]:
+        def ragged(rows):
+            out = np.empty(len(rows), dtype=object)
+            out[:] = rows
+            return out
+
+        return (
+            {k: ragged(v) for k, v in self.ids.items()},
+            {k: ragged(v) for k, v in self.weights.items()},
+        )
+
+
+def make_batch(seed: int) -> Batch:
+    rng = np.random.default_rng(seed)
+    ids, weights = {}, {}
+    for feature, table in FEATURE_TABLES.items():
+        vocab = TABLES[table][0]
+        rows, row_weights = [], []
+        for _ in range(BATCH):
+            count = int(rng.integers(1, 5))
+            hot = rng.random(count) < 0.5
+            row = np.where(hot, rng.integers(0, 6, count), rng.integers(0, vocab // 3, count))
+            rows.append(row.astype(np.int64))
+            row_weights.append(rng.uniform(0.5, 2.0, count).astype(np.float32))
+        ids[feature], weights[feature] = rows, row_weights
+    return Batch(ids, weights)
+
+
+def preprocess(batch: Batch, specs, devices: int, slots: int, **kwargs):
+    ids, weights = batch.as_input()
+    preprocessed, _ = embedding.preprocess_sparse_dense_matmul_input(
+        ids, weights, specs, devices, devices, num_sc_per_device=slots, **kwargs
+    )
+    return preprocessed
+
+
+def gains(weights: np.ndarray, combiner: str) -> np.ndarray:
+    w = weights.astype(np.float64)
+    if combiner == "sum":
+        return w
+    if combiner == "mean":
+        return w / w.sum()
+    return w / math.sqrt((w * w).sum())
+
+
+def activations(tables: dict[str, np.ndarray], batch: Batch, combiner: str) -> dict:
+    """`float64[BATCH, dim]` per feature: sum over a row's ids of gain * row."""
+    out = {}
+    for feature, table in FEATURE_TABLES.items():
+        values = np.zeros((BATCH, TABLES[table][1]))
+        for sample in range(BATCH):
+            row_ids = batch.ids[feature][sample]
+            row_gains = gains(batch.weights[feature][sample], combiner)
+            for i, gain in zip(row_ids, row_gains):
+                values[sample] += gain * tables[table][i]
+        out[feature] = values
+    return out
+
+
+def row_gradients(batch: Batch, combiner: str, activation_grads: dict) -> dict:
+    """Per table, `{id: float64[dim]}`: sum over occurrences of gain * grad."""
+    grads: dict[str, dict[int, np.ndarray]] = {t: {} for t in TABLES}
+    for feature, table in FEATURE_TABLES.items():
+        for sample in range(BATCH):
+            row_ids = batch.ids[feature][sample]
+            row_gains = gains(batch.weights[feature][sample], combiner)
+            for i, gain in zip(row_ids, row_gains):
+                previous = grads[table].get(int(i), 0.0)
+                grads[table][int(i)] = previous + gain * activation_grads[feature][sample]
+    return grads
+
+
+def _learning_rate(spec: embedding.OptimizerSpec, step: int) -> float:
+    rate = spec.learning_rate
+    return float(rate(step)) if callable(rate) else float(rate)
+
+
+def _ftrl(spec: embedding.FTRLOptimizerSpec, w, slots, g, lr):
+    """TensorFlow's ApplyFtrl, element by element; beta as Keras adds it."""
+    accum, linear = slots["accumulator"], slots["linear"]
+    new_accum = accum + g * g
+    p = -spec.learning_rate_power
+    l1, l2, beta = (
+        spec.l1_regularization_strength,
+        spec.l2_regularization_strength,
+        spec.beta,
+    )
+    if spec.multiply_linear_by_learning_rate:
+        linear = linear + g * lr - (new_accum**p - accum**p) * w
+        quadratic = new_accum**p + 2 * l2 * lr + beta
+        threshold = l1 * lr
+    else:
+        linear = linear + g - (new_accum**p - accum**p) / lr * w
+        quadratic = new_accum**p / lr + 2 * (l2 + beta / (2 * lr))
+        threshold = l1
+    new_w = np.zeros_like(w)
+    for k in range(w.size):
+        if abs(linear[k]) > threshold:
+            new_w[k] = (np.sign(linear[k]) * threshold - linear[k]) / quadratic[k]
+    return new_w, {"accumulator": new_accum, "linear": linear}
+
+
+def update_row(spec: embedding.OptimizerSpec, w, slots: dict, g, step: int):
+    """One optimizer step on one row (float64)."""
+    lr = _learning_rate(spec, step)
+    if isinstance(spec, embedding.SGDOptimizerSpec):
+        return w - lr * g, {}
+    if isinstance(spec, embedding.AdagradOptimizerSpec):
+        accumulator = slots["accumulator"] + g * g
+        return w - lr * g / np.sqrt(accumulator), {"accumulator": accumulator}
+    if isinstance(spec, embedding.AdamOptimizerSpec):
+        t = step + 1
+        m = spec.beta_1 * slots["momentum"] + (1 - spec.beta_1) * g
+        v = spec.beta_2 * slots["velocity"] + (1 - spec.beta_2) * g * g
+        m_hat, v_hat = m / (1 - spec.beta_1**t), v / (1 - spec.beta_2**t)
+        return w - lr * m_hat / (np.sqrt(v_hat) + spec.epsilon), {"momentum": m, "velocity": v}
+    return _ftrl(spec, w, slots, g, lr)
+
+
+def apply_update(optimizers: dict, tables: dict, slots: dict, grads: dict, step: int) -> None:
+    """Updates the touched rows of dense float64 `tables` and `slots` in place.
+
+    Args:
+      optimizers: `{table: OptimizerSpec}`.
+      tables: `{table: float64[vocab, dim]}`.
+      slots: `{table: {slot name: float64[vocab, dim]}}`.
+      grads: `row_gradients(...)`.
+    """
+    for table, rows in grads.items():
+        for i, g in rows.items():
+            row_slots = {name: values[i] for name, values in slots[table].items()}
+            new_w, new_slots = update_row(optimizers[table], tables[table][i], row_slots, g, step)
+            tables[table][i] = new_w
+            for name, value in new_slots.items():
+                slots[table][name][i] = value
+
+
+def touched(*batches: Batch) -> dict[str, np.ndarray]:
+    """Per table, `bool[vocab]`: the ids some batch looks up."""
+    out = {t: np.zeros(vocab, bool) for t, (vocab, _) in TABLES.items()}
+    for batch in batches:
+        for feature, table in FEATURE_TABLES.items():
+            for row in batch.ids[feature]:
+                out[table][row] = True
+    return out

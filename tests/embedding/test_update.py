@@ -1,0 +1,255 @@
+"""`embedding.apply_gradients` against float64 numpy optimizer steps.
+
+Every call that runs collectives is waited for before the next one starts
+(XLA:CPU must not run two such programs at once).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lookup_reference import (
+    BATCH,
+    FEATURE_TABLES,
+    TABLES,
+    activations,
+    apply_update,
+    feature_specs,
+    make_batch,
+    mesh_of,
+    preprocess,
+    row_gradients,
+    touched,
+)
+
+import embedding
+
+OPTIMIZERS = {
+    "sgd": embedding.SGDOptimizerSpec(learning_rate=0.1),
+    "sgd_schedule": embedding.SGDOptimizerSpec(learning_rate=lambda step: 0.2 / (1.0 + step)),
+    "adagrad": embedding.AdagradOptimizerSpec(learning_rate=0.3, initial_accumulator_value=0.5),
+    "adam": embedding.AdamOptimizerSpec(
+        learning_rate=lambda step: 0.01 * (step + 1), beta_1=0.8, beta_2=0.9, epsilon=1e-3
+    ),
+    "ftrl": embedding.FTRLOptimizerSpec(
+        learning_rate=0.5,
+        l1_regularization_strength=0.05,
+        l2_regularization_strength=0.1,
+        beta=0.2,
+        initial_accumulator_value=0.3,
+        initial_linear_value=0.1,
+    ),
+    "ftrl_linear_by_lr": embedding.FTRLOptimizerSpec(
+        learning_rate=0.5,
+        learning_rate_power=-0.7,
+        l1_regularization_strength=0.02,
+        l2_regularization_strength=0.05,
+        beta=0.1,
+        initial_accumulator_value=0.4,
+        multiply_linear_by_learning_rate=True,
+    ),
+}
+
+
+def _gather_all(variables, specs, mesh, slots) -> tuple[dict, dict]:
+    """(`{table: float64[vocab, dim]}`, `{table: {slot: float64[vocab, dim]}}`)."""
+
+    def gather(stacks):
+        logical = embedding.gather_tables(stacks, specs, mesh, num_sc_per_device=slots)
+        return {k: v.astype(np.float64) for k, v in logical.items()}
+
+    tables = gather({name: v.table for name, v in variables.items()})
+    slot_values = {table: {} for table in tables}
+    for name, v in variables.items():
+        for slot, values in v.slots.items():
+            for table, logical in gather({name: values}).items():
+                slot_values[table][slot] = logical
+    return tables, slot_values
+
+
+def _activation_grads(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        f: rng.normal(size=(BATCH, TABLES[t][1])).astype(np.float32)
+        for f, t in FEATURE_TABLES.items()
+    }
+
+
+def _run_steps(optimizers: dict, combiner: str, devices: int, slots: int, steps: int):
+    """`steps` updates on fresh variables, each with its own batch.
+
+    Returns (before, after, reference, batches): gathered tables and slots
+    before and after, and the float64 reference computed from `before`.
+    """
+    specs, mesh = feature_specs(combiner, optimizers, devices, slots), mesh_of(devices)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(jax.random.key(1), specs, mesh, num_sc_per_device=slots)
+    )
+    before = _gather_all(variables, specs, mesh, slots)
+    tables = {k: v.copy() for k, v in before[0].items()}
+    slot_values = {t: {n: v.copy() for n, v in s.items()} for t, s in before[1].items()}
+    batches = []
+    for step in range(steps):
+        batch = make_batch(10 + step)
+        grads = _activation_grads(step)
+        variables = jax.block_until_ready(
+            embedding.apply_gradients(
+                grads, preprocess(batch, specs, devices, slots), variables, specs, mesh, step
+            )
+        )
+        apply_update(optimizers, tables, slot_values, row_gradients(batch, combiner, grads), step)
+        batches.append(batch)
+    after = _gather_all(variables, specs, mesh, slots)
+    return before, after, (tables, slot_values), batches
+
+
+def _per_table(a: str, bc: str) -> dict:
+    return {"a": OPTIMIZERS[a], "b": OPTIMIZERS[bc], "c": OPTIMIZERS[bc]}
+
+
+def _assert_close(actual, expected) -> None:
+    np.testing.assert_allclose(actual, expected, rtol=2e-5, atol=2e-6)
+
+
+# Each case runs two optimizers (one per stack) on one geometry, so that every
+# optimizer and every device count is covered by few compilations.
+CASES = [
+    ("sgd", "adagrad", "mean", 1, 1),
+    ("sgd_schedule", "adam", "mean", 4, 2),
+    ("ftrl", "ftrl_linear_by_lr", "sqrtn", 2, 4),
+    ("adam", "adagrad", "sum", 8, 1),
+]
+
+
+@pytest.mark.parametrize(("a", "bc", "combiner", "devices", "slots"), CASES)
+def test_optimizers_match_reference(a, bc, combiner, devices, slots):
+    """Two steps (slots carry over, schedules and Adam's t advance); rows
+    never looked up keep their bits, in the table and in every slot."""
+    before, after, reference, batches = _run_steps(
+        _per_table(a, bc), combiner, devices, slots, steps=2
+    )
+    looked_up = touched(*batches)
+    for table in TABLES:
+        rows, others = looked_up[table], ~looked_up[table]
+        assert others.sum() > 50
+        pairs = [(after[0][table], before[0][table], reference[0][table])]
+        pairs += [
+            (after[1][table][slot], before[1][table][slot], values)
+            for slot, values in reference[1][table].items()
+        ]
+        for new, old, expected in pairs:
+            _assert_close(new[rows], expected[rows])
+            np.testing.assert_array_equal(new[others], old[others])
+        assert not np.array_equal(after[0][table][rows], before[0][table][rows])
+
+
+def test_minibatched_update_equals_single_pass():
+    optimizer = OPTIMIZERS["adagrad"]
+    mesh = mesh_of(2)
+    batch, grads = make_batch(3), _activation_grads(3)
+    single = feature_specs("sum", optimizer, 2, 2)
+    results = []
+    for specs, minibatching in (
+        (single, False),
+        (feature_specs("sum", optimizer, 2, 2, limit=8), True),
+    ):
+        preprocessed = preprocess(batch, specs, 2, 2, enable_minibatching=minibatching)
+        # Limits do not change the variables' shapes: both runs start alike.
+        variables = jax.block_until_ready(
+            embedding.init_embedding_variables(jax.random.key(1), single, mesh, num_sc_per_device=2)
+        )
+        variables = jax.block_until_ready(
+            embedding.apply_gradients(
+                grads,
+                preprocessed,
+                variables,
+                specs,
+                mesh,
+                0,
+                enable_minibatching=minibatching,
+            )
+        )
+        results.append(_gather_all(variables, specs, mesh, 2))
+    assert (preprocessed.num_minibatches > 1).all()
+    for table in TABLES:
+        _assert_close(results[1][0][table], results[0][0][table])
+        _assert_close(results[1][1][table]["accumulator"], results[0][1][table]["accumulator"])
+
+
+@pytest.mark.parametrize("minibatching", [False, True])
+def test_update_is_in_place(minibatching):
+    """The compiled update aliases every table and slot to its output and
+    holds no copy of a table-shaped buffer (also around the minibatch loop)."""
+    devices, slots = 2, 2
+    specs = feature_specs(
+        "sum", OPTIMIZERS["adam"], devices, slots, limit=8 if minibatching else None
+    )
+    mesh = mesh_of(devices)
+    variables = jax.eval_shape(
+        lambda key: embedding.init_embedding_variables(key, specs, mesh, num_sc_per_device=slots),
+        jax.random.key(0),
+    )
+    preprocessed = preprocess(
+        make_batch(0), specs, devices, slots, enable_minibatching=minibatching
+    )
+    grads = _activation_grads(0)
+    step = jax.jit(
+        lambda v: embedding.apply_gradients(
+            grads, preprocessed, v, specs, mesh, 0, enable_minibatching=minibatching
+        ),
+        donate_argnums=0,
+    )
+    text = step.lower(variables).compile().as_text()
+    shard_shapes = {
+        f"f32[{v.table.shape[0] // devices},{v.table.shape[1]}]" for v in variables.values()
+    }
+    copies = [line for line in text.splitlines() if " copy(" in line]
+    assert not [line for line in copies if any(s in line for s in shard_shapes)]
+    header = text.splitlines()[0].split("entry_computation_layout")[0]
+    num_buffers = sum(1 + len(v.slots) for v in variables.values())
+    assert len(re.findall(r"(?:may|must)-alias", header)) == num_buffers
+
+
+def test_fifty_steps_back_to_back_match_reference():
+    """Lookup then update, 50 times on 8 devices, with loss 0.5 * sum(a^2)."""
+    devices, slots, combiner = 8, 1, "sum"
+    optimizer = embedding.SGDOptimizerSpec(learning_rate=0.01)
+    specs, mesh = feature_specs(combiner, optimizer, devices, slots), mesh_of(devices)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(jax.random.key(2), specs, mesh, num_sc_per_device=slots)
+    )
+    tables, slot_values = _gather_all(variables, specs, mesh, slots)
+    batches = [make_batch(20 + i) for i in range(3)]
+    inputs = [preprocess(b, specs, devices, slots) for b in batches]
+
+    @jax.jit
+    def train_step(variables, preprocessed, step):
+        result = embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
+        return embedding.apply_gradients(result, preprocessed, variables, specs, mesh, step)
+
+    for step in range(50):
+        i = step % len(batches)
+        variables = jax.block_until_ready(train_step(variables, inputs[i], jnp.int32(step)))
+        grads = activations(tables, batches[i], combiner)
+        optimizers = dict.fromkeys(TABLES, optimizer)
+        apply_update(
+            optimizers, tables, slot_values, row_gradients(batches[i], combiner, grads), step
+        )
+    after, _ = _gather_all(variables, specs, mesh, slots)
+    for table in TABLES:
+        np.testing.assert_allclose(after[table], tables[table], rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_of_the_wrong_shape_is_rejected():
+    specs, mesh = feature_specs("sum", OPTIMIZERS["sgd"], 2, 2), mesh_of(2)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(jax.random.key(0), specs, mesh, num_sc_per_device=2)
+    )
+    grads = _activation_grads(0)
+    grads["b1"] = grads["b1"][:, :4]
+    with pytest.raises(ValueError, match=r"Feature 'b1'.*\[32, 4\].*\[32, 5\]"):
+        embedding.apply_gradients(
+            grads, preprocess(make_batch(0), specs, 2, 2), variables, specs, mesh, 0
+        )

@@ -1,0 +1,137 @@
+"""Sharded embedding variables: initialization, row order, gather and errors."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from lookup_reference import TABLES, feature_specs, mesh_of
+
+import embedding
+from embedding._variables import init_program
+
+ADAGRAD = embedding.AdagradOptimizerSpec(learning_rate=0.1, initial_accumulator_value=0.25)
+
+
+def _specs(devices: int, slots: int):
+    return feature_specs("sum", ADAGRAD, devices, slots)
+
+
+def _gather(variables, specs, mesh, slots, field="table"):
+    stacks = {
+        name: v.table if field == "table" else v.slots[field] for name, v in variables.items()
+    }
+    return embedding.gather_tables(stacks, specs, mesh, num_sc_per_device=slots)
+
+
+def _sharded_row(table: embedding.TableSpec, ids: np.ndarray, partitions: int) -> np.ndarray:
+    """DESIGN.md section 1 and 5: partition (id + rotation) mod N, local row
+    offset + id div N; physical row partition * R + local row."""
+    setting = table.setting_in_stack
+    rows_per_partition = table.stacked_table_spec.stack_vocab_size // partitions
+    partition = (ids + setting.shard_rotation) % partitions
+    local = setting.row_offset_in_shard + ids // partitions
+    return partition * rows_per_partition + local
+
+
+@pytest.mark.parametrize(("devices", "slots"), [(8, 1), (2, 4)])
+def test_init_is_the_initializer_in_logical_order(devices, slots):
+    specs, mesh = _specs(devices, slots), mesh_of(devices)
+    key = jax.random.key(7)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(key, specs, mesh, num_sc_per_device=slots)
+    )
+    tables = _gather(variables, specs, mesh, slots)
+    for name, (vocab, dim) in TABLES.items():
+        expected = embedding.initializers.Normal(stddev=1.0)(
+            embedding.table_key(key, name), (vocab, dim)
+        )
+        np.testing.assert_array_equal(tables[name], np.asarray(expected))
+    accumulators = _gather(variables, specs, mesh, slots, "accumulator")
+    for name in TABLES:
+        assert (accumulators[name] == np.float32(0.25)).all()
+
+
+def test_init_is_deterministic_and_depends_on_the_seed():
+    specs, mesh = _specs(4, 2), mesh_of(4)
+
+    def tables(seed):
+        variables = embedding.init_embedding_variables(
+            jax.random.key(seed), specs, mesh, num_sc_per_device=2
+        )
+        return _gather(jax.block_until_ready(variables), specs, mesh, 2)
+
+    first, again, other = tables(3), tables(3), tables(4)
+    for name in TABLES:
+        np.testing.assert_array_equal(first[name], again[name])
+        assert not np.array_equal(first[name], other[name])
+
+
+def test_init_runs_shard_by_shard():
+    """Every device holds its own rows, and no op of the compiled program has a
+    whole (logical or stacked) table's shape."""
+    devices, slots = 8, 1
+    specs, mesh = _specs(devices, slots), mesh_of(devices)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(jax.random.key(0), specs, mesh, num_sc_per_device=slots)
+    )
+    stacked = embedding.get_stacked_table_specs(
+        embedding.prepare_feature_specs_for_training(specs, devices, slots)
+    )
+    for name, spec in stacked.items():
+        table = variables[name].table
+        assert table.shape == (spec.stack_vocab_size, spec.stack_embedding_dim)
+        shards = table.addressable_shards
+        assert len({s.device for s in shards}) == devices
+        assert {s.data.shape[0] for s in shards} == {spec.stack_vocab_size // devices}
+    text = init_program(specs, mesh, slots).lower(jax.random.key(0)).compile().as_text()
+    whole = {vocab for vocab, _ in TABLES.values()}
+    whole |= {spec.stack_vocab_size for spec in stacked.values()}
+    leading = {int(d) for d in re.findall(r"f32\[(\d+),", text)}
+    assert leading and not leading & whole
+
+
+@pytest.mark.parametrize(("devices", "slots"), [(1, 2), (4, 2)])
+def test_logical_and_sharded_order_round_trip(devices, slots):
+    specs, mesh = _specs(devices, slots), mesh_of(devices)
+    rng = np.random.default_rng(0)
+    logical = {
+        name: rng.normal(size=(vocab, dim)).astype(np.float32)
+        for name, (vocab, dim) in TABLES.items()
+    }
+    stacks = jax.block_until_ready(
+        embedding.shard_tables(logical, specs, mesh, num_sc_per_device=slots)
+    )
+    back = embedding.gather_tables(stacks, specs, mesh, num_sc_per_device=slots)
+    prepared = {
+        f.table_spec.name: f.table_spec
+        for f in jax.tree.leaves(
+            embedding.prepare_feature_specs_for_training(specs, devices, slots)
+        )
+    }
+    for name, values in logical.items():
+        np.testing.assert_array_equal(back[name], values)
+        table = prepared[name]
+        ids = np.arange(table.vocabulary_size)
+        rows = _sharded_row(table, ids, devices * slots)
+        stack = np.asarray(stacks[table.stacked_table_spec.stack_name])
+        np.testing.assert_array_equal(stack[rows, : table.embedding_dim], values)
+        assert (stack[rows, table.embedding_dim :] == 0).all()
+
+
+def test_shard_tables_needs_every_table_of_a_stack():
+    specs, mesh = _specs(2, 1), mesh_of(2)
+    with pytest.raises(ValueError, match=r"stack 'bc' also needs tables \['c'\]"):
+        embedding.shard_tables({"b": np.zeros((200, 5))}, specs, mesh, num_sc_per_device=1)
+
+
+def test_shard_tables_rejects_a_wrong_shape():
+    specs, mesh = _specs(2, 1), mesh_of(2)
+    with pytest.raises(ValueError, match=r"Table 'a'.*\[300, 8\].*\[300, 7\]"):
+        embedding.shard_tables({"a": np.zeros((300, 7))}, specs, mesh, num_sc_per_device=1)
+
+
+def test_gather_tables_rejects_an_unknown_stack():
+    specs, mesh = _specs(2, 1), mesh_of(2)
+    with pytest.raises(ValueError, match="unknown stack 'nope'"):
+        embedding.gather_tables({"nope": np.zeros((8, 8))}, specs, mesh, num_sc_per_device=1)
