@@ -29,6 +29,7 @@ import yaml
 import embedding
 import pipelines
 from embedding import initializers
+from sparseflow._model import ModelConfig
 
 _OPTIMIZERS: dict[str, type[embedding.OptimizerSpec]] = {
     "sgd": embedding.SGDOptimizerSpec,
@@ -113,6 +114,39 @@ class PreprocessingConfig:
 
     allow_id_dropping: bool = False
     invalid_id_policy: embedding.InvalidIdPolicy = embedding.InvalidIdPolicy.RAISE
+    enable_minibatching: bool = False
+    on_bad_record: pipelines.BadRecordPolicy = pipelines.BadRecordPolicy.RAISE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """How `sparseflow train` runs.
+
+    Attributes:
+      steps: training steps (global batches); None: one pass over the data.
+      pipelined: overlap the sparse stages of one batch with the dense stage
+        of the previous one (`parallel.step`).
+      checkpoint_every: steps between checkpoints (one is also written at the end).
+      log_every: steps between logged metrics.
+      eval_batches: held-out batches evaluated at the end (None: all).
+      workers: Grain worker processes per host (0: in-process).
+      shuffle: shuffle the training records (seeded by `seed`) every epoch.
+      epochs: passes over the training data when `steps` is None.
+      fdo_headroom: factor applied to FDO limits.
+      agreement_port: first port of the hosts' all-reduce groups (worker w
+        uses `agreement_port + w`); 0 picks free ports (one process only).
+    """
+
+    steps: int | None = None
+    pipelined: bool = True
+    checkpoint_every: int = 100
+    log_every: int = 10
+    eval_batches: int | None = None
+    workers: int = 0
+    shuffle: bool = True
+    epochs: int = 1
+    fdo_headroom: float = 1.1
+    agreement_port: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +185,8 @@ class RunConfig:
       source_path: the config file, absolute.
       config_hash: sha256 hex digest of the parsed YAML as canonical JSON;
         matches stats files (FDO) to the config they were computed for.
+      model: the dense tower's sizes and optimizer.
+      training: how `sparseflow train` runs.
     """
 
     name: str
@@ -164,6 +200,8 @@ class RunConfig:
     dataset: DatasetConfig
     source_path: Path
     config_hash: str
+    model: ModelConfig = ModelConfig()
+    training: TrainingConfig = TrainingConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,17 +373,67 @@ def _global_batch_size(node: _Node, mesh: MeshConfig) -> int:
 
 
 def _preprocessing(node: _Node) -> PreprocessingConfig:
-    _mapping(node, (), ("allow_id_dropping", "invalid_ids"))
+    _mapping(node, (), ("allow_id_dropping", "invalid_ids", "enable_minibatching", "on_bad_record"))
     policies = tuple(p.value for p in embedding.InvalidIdPolicy)
     policy = (
         _choice(node, "invalid_ids", policies, "invalid-id policy")
         if "invalid_ids" in node.value
         else "raise"
     )
+    bad_records = tuple(p.value for p in pipelines.BadRecordPolicy)
+    on_bad_record = (
+        _choice(node, "on_bad_record", bad_records, "bad-record policy")
+        if "on_bad_record" in node.value
+        else "raise"
+    )
     return PreprocessingConfig(
         allow_id_dropping=_get(node, "allow_id_dropping", "bool", False),
         invalid_id_policy=embedding.InvalidIdPolicy(policy),
+        enable_minibatching=_get(node, "enable_minibatching", "bool", False),
+        on_bad_record=pipelines.BadRecordPolicy(on_bad_record),
     )
+
+
+def _widths(node: _Node, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    if key not in node.value:
+        return default
+    values = _get(node, key, "list")
+    child = node.child(key)
+    return tuple(_int(child, i) for i in range(len(values)))
+
+
+def _model(node: _Node) -> ModelConfig:
+    _mapping(node, (), ("bottom_mlp", "top_mlp", "learning_rate"))
+    defaults = ModelConfig()
+    return _build(
+        node,
+        ModelConfig,
+        dict(
+            bottom_mlp=_widths(node, "bottom_mlp", defaults.bottom_mlp),
+            top_mlp=_widths(node, "top_mlp", defaults.top_mlp),
+            learning_rate=_get(node, "learning_rate", "number", defaults.learning_rate),
+        ),
+    )
+
+
+def _training(node: _Node) -> TrainingConfig:
+    fields = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
+    _mapping(node, (), tuple(fields))
+    values = dict(
+        steps=_int(node, "steps"),
+        pipelined=_get(node, "pipelined", "bool", fields["pipelined"]),
+        checkpoint_every=_int(node, "checkpoint_every", fields["checkpoint_every"]),
+        log_every=_int(node, "log_every", fields["log_every"]),
+        eval_batches=_int(node, "eval_batches"),
+        workers=_int(node, "workers", fields["workers"], minimum=0),
+        shuffle=_get(node, "shuffle", "bool", fields["shuffle"]),
+        epochs=_int(node, "epochs", fields["epochs"]),
+        fdo_headroom=_get(node, "fdo_headroom", "number", fields["fdo_headroom"]),
+        agreement_port=_int(node, "agreement_port", fields["agreement_port"], minimum=0),
+    )
+    if values["fdo_headroom"] < 1:
+        raise node.child("fdo_headroom").error(f"must be >= 1, got {values['fdo_headroom']}")
+    return TrainingConfig(**values)
 
 
 def _table(node: _Node) -> embedding.TableSpec:
@@ -583,7 +671,7 @@ def load_config(path: str | os.PathLike) -> RunConfig:
             "dense_features",
             "dataset",
         ),
-        ("preprocessing", "stacks"),
+        ("preprocessing", "stacks", "model", "training"),
     )
     mesh = _mesh(root.child("mesh"))
     batch = _global_batch_size(root, mesh)
@@ -620,4 +708,10 @@ def load_config(path: str | os.PathLike) -> RunConfig:
         config_hash=hashlib.sha256(
             json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
         ).hexdigest(),
+        model=_model(root.child("model")) if raw.get("model") is not None else ModelConfig(),
+        training=(
+            _training(root.child("training"))
+            if raw.get("training") is not None
+            else TrainingConfig()
+        ),
     )

@@ -1,0 +1,43 @@
+"""Progress bar and TensorBoard scalars of a training run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tensorflow as tf
+import tqdm
+
+
+class MetricsWriter:
+    """TensorBoard scalars in `directory` (a no-op when it is None)."""
+
+    def __init__(self, directory: Path | None):
+        self._writer = tf.summary.create_file_writer(str(directory)) if directory else None
+
+    def scalar(self, name: str, value: float, step: int) -> None:
+        if self._writer is None:
+            return
+        with self._writer.as_default():
+            tf.summary.scalar(name, value, step=step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+
+
+class Progress:
+    """A live bar of trained steps with the latest loss (tqdm, to stderr)."""
+
+    def __init__(self, *, total: int, initial: int, enabled: bool):
+        self._bar = tqdm.tqdm(
+            total=total, initial=initial, unit="step", disable=not enabled, dynamic_ncols=True
+        )
+
+    def update(self, trained: int, loss: float | None) -> None:
+        self._bar.update(trained - self._bar.n)
+        if loss is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()

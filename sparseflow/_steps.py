@@ -1,0 +1,142 @@
+"""The recommender's training stages: sparse lookup, dense tower, sparse update.
+
+The three stage functions follow `parallel`'s stage protocols, so the same
+functions serve the pipelined step (`parallel.step`) and the sequential one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+import embedding
+from sparseflow import _model
+
+
+class TrainState(NamedTuple):
+    """The dense side of training.
+
+    Attributes:
+      params: the dense tower's parameters.
+      opt_state: their optimizer state.
+      step: `int32[]`, dense updates applied so far.
+    """
+
+    params: _model.Params
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+class DenseInputs(NamedTuple):
+    """`dense: float32[batch, num_dense]`, `labels: int32[batch]`."""
+
+    dense: jax.Array
+    labels: jax.Array
+
+
+class StepOutput(NamedTuple):
+    """`loss: float32[]` and `logits: float32[batch]` of one batch."""
+
+    loss: jax.Array
+    logits: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stages:
+    """The stage functions of one run (hashable by identity: static for jit).
+
+    Attributes:
+      feature_specs: the run's prepared feature specs.
+      mesh: the 1-D mesh of all devices.
+      optimizer: the dense optimizer.
+      enable_minibatching: as given to the preprocessing.
+    """
+
+    feature_specs: Mapping[str, embedding.FeatureSpec]
+    mesh: Mesh
+    optimizer: optax.GradientTransformation
+    enable_minibatching: bool
+
+    def sc_fwd(self, sparse_inputs, embedding_variables):
+        activations = embedding.sparse_dense_matmul(
+            sparse_inputs,
+            embedding_variables,
+            self.feature_specs,
+            self.mesh,
+            enable_minibatching=self.enable_minibatching,
+        )
+        return activations, None
+
+    def tc(self, activations, dense_inputs: DenseInputs, state: TrainState, sc_fwd_aux=None):
+        """Dense forward/backward and update; `tc_aux` is the batch's training step."""
+        del sc_fwd_aux
+        grad_fn = jax.value_and_grad(_model.loss_fn, argnums=(0, 2), has_aux=True)
+        (loss, logits), (param_grads, activation_grads) = grad_fn(
+            state.params, dense_inputs.dense, activations, dense_inputs.labels
+        )
+        updates, opt_state = self.optimizer.update(param_grads, state.opt_state, state.params)
+        new_state = TrainState(
+            optax.apply_updates(state.params, updates), opt_state, state.step + 1
+        )
+        return activation_grads, StepOutput(loss, logits), new_state, state.step
+
+    def sc_bwd(self, sparse_inputs, activation_grads, embedding_variables, tc_aux=None):
+        tables = embedding.apply_gradients(
+            activation_grads,
+            sparse_inputs,
+            embedding_variables,
+            self.feature_specs,
+            self.mesh,
+            tc_aux,
+            enable_minibatching=self.enable_minibatching,
+        )
+        return tables, None
+
+    @functools.cached_property
+    def sequential_step(self):
+        """`(state, tables, sparse, dense) -> (state, tables, StepOutput)`, jitted.
+
+        Lookup, dense step and update of one batch, in order (no delay).
+        """
+
+        def step(state, tables, sparse_inputs, dense_inputs):
+            activations, _ = self.sc_fwd(sparse_inputs, tables)
+            grads, output, state_out, aux = self.tc(activations, dense_inputs, state)
+            tables, _ = self.sc_bwd(sparse_inputs, grads, tables, aux)
+            return state_out, tables, output
+
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    @functools.cached_property
+    def eval_logits(self):
+        """`(params, tables, sparse, dense) -> float32[batch]` logits, jitted."""
+
+        def logits(params, tables, sparse_inputs, dense_inputs):
+            activations, _ = self.sc_fwd(sparse_inputs, tables)
+            return _model.forward(params, dense_inputs.dense, activations)
+
+        return jax.jit(logits)
+
+
+def init_train_state(
+    key: jax.Array,
+    model: _model.ModelConfig,
+    num_dense: int,
+    feature_dims: Mapping[str, int],
+    optimizer: optax.GradientTransformation,
+) -> TrainState:
+    params = _model.init_params(key, model, num_dense, feature_dims)
+    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Places a pytree on every device of `mesh` (the dense state)."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(tree, sharding)

@@ -1,0 +1,403 @@
+"""The training program: Grain batches -> sharded lookup -> dense tower -> update.
+
+One process per host; every process runs this same loop (under
+`jax.distributed` when there are several). Each step blocks on its outputs
+before the next is dispatched: on XLA:CPU two programs with collectives in
+flight at once deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import embedding
+import parallel
+import pipelines
+from parallel import allreduce
+from sparseflow import _model
+from sparseflow._checkpoint import Checkpoints, Snapshot
+from sparseflow._config import RunConfig
+from sparseflow._metrics import MetricsWriter, Progress
+from sparseflow._steps import DenseInputs, Stages, init_train_state, replicate
+
+_log = logging.getLogger(__name__)
+_PIPELINE_STATICS = ("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """One `sparseflow train` invocation (the config holds the rest).
+
+    Attributes:
+      data: training ArrayRecord files, directories or globs.
+      eval_data: held-out data evaluated at the end, or None.
+      steps: overrides `training.steps`.
+      pipelined: overrides `training.pipelined`.
+      fdo_dir: FDO stats to set the tables' limits from, or None.
+      checkpoint_dir: where checkpoints go, or None for none.
+      resume: continue from the newest checkpoint in `checkpoint_dir`.
+      metrics_dir: TensorBoard event files, or None.
+      stop_after: end the process abruptly after this many steps (after the
+        step's checkpoint, if one is due): what a crash leaves, for resume tests.
+      progress: show a progress bar.
+    """
+
+    data: str | Sequence[str]
+    eval_data: str | Sequence[str] | None = None
+    steps: int | None = None
+    pipelined: bool | None = None
+    fdo_dir: Path | None = None
+    checkpoint_dir: Path | None = None
+    resume: bool = False
+    metrics_dir: Path | None = None
+    stop_after: int | None = None
+    progress: bool = True
+
+
+class TrainResult(NamedTuple):
+    """What a run did.
+
+    Attributes:
+      steps: batches trained on (in this run and before a resume).
+      losses: the loss of every batch, in order.
+      train_auc: AUC over the last logged window of training batches.
+      eval_auc: AUC on `eval_data`, or None.
+      examples_per_s: training throughput of this process's run.
+      seconds: wall time of the training loop.
+    """
+
+    steps: int
+    losses: list[float]
+    train_auc: float
+    eval_auc: float | None
+    examples_per_s: float
+    seconds: float
+
+
+def make_mesh() -> Mesh:
+    """The 1-D mesh over every device of every process."""
+    return Mesh(np.array(jax.devices()), ("devices",))
+
+
+def _feature_specs(config: RunConfig, options: TrainOptions, mesh: Mesh):
+    specs = embedding.prepare_feature_specs_for_training(
+        config.feature_specs, mesh.size, config.mesh.partitions_per_device
+    )
+    if options.fdo_dir is None:
+        return specs
+    stats = embedding.load_fdo_stats(
+        options.fdo_dir,
+        expected_config_hash=config.config_hash,
+        expected_geometry=fdo_geometry(config),
+    )
+    return embedding.apply_fdo(specs, stats, headroom=config.training.fdo_headroom)
+
+
+def fdo_geometry(config: RunConfig) -> embedding.FdoGeometry:
+    """The batch geometry FDO stats must have been computed for."""
+    return embedding.FdoGeometry(
+        global_batch_size=config.global_batch_size,
+        devices=config.mesh.devices,
+        partitions_per_device=config.mesh.partitions_per_device,
+        processes=config.mesh.processes,
+    )
+
+
+def _agreement(config: RunConfig) -> allreduce.AllReduceConfig | None:
+    if jax.process_count() == 1 or not config.preprocessing.enable_minibatching:
+        return None
+    port = config.training.agreement_port
+    if not port:
+        raise ValueError(
+            "Minibatching on several hosts needs training.agreement_port (the first "
+            "port of the hosts' all-reduce groups) in the config."
+        )
+    peers = [f"127.0.0.1:{port}"] * jax.process_count()
+    return allreduce.AllReduceConfig(rank=jax.process_index(), peers=peers)
+
+
+def _iterator(
+    config: RunConfig, specs, mesh: Mesh, data, *, training: bool
+) -> pipelines.DeviceIterator:
+    pre = config.preprocessing
+    preprocess = pipelines.PreprocessConfig(
+        feature_specs=specs,
+        layout=config.synthetic.feature_layout(),
+        local_device_count=mesh.local_mesh.size,
+        global_device_count=mesh.size,
+        num_sc_per_device=config.mesh.partitions_per_device,
+        allow_id_dropping=pre.allow_id_dropping,
+        enable_minibatching=pre.enable_minibatching,
+        invalid_id_policy=pre.invalid_id_policy,
+        on_bad_record=pre.on_bad_record,
+        agreement=_agreement(config),
+    )
+    shuffle = training and config.training.shuffle
+    batching = pipelines.BatchingConfig(
+        global_batch_size=config.global_batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        num_epochs=config.training.epochs if training else 1,
+        shuffle_seed=config.seed if shuffle else None,
+    )
+    host = pipelines.make_grain_iterator(
+        data,
+        batching=batching,
+        preprocess=preprocess,
+        options=pipelines.GrainOptions(worker_count=config.training.workers if training else 0),
+    )
+    return pipelines.DeviceIterator(host, mesh)
+
+
+def _gathered(x: jax.Array) -> np.ndarray:
+    """The full value of a row-sharded global array, on every process."""
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _dense_inputs(batch: pipelines.DeviceBatch) -> DenseInputs:
+    return DenseInputs(batch.dense, batch.labels)
+
+
+class _Run:
+    """The mutable state of one training loop."""
+
+    def __init__(self, config: RunConfig, options: TrainOptions, mesh: Mesh):
+        self.config, self.options, self.mesh = config, options, mesh
+        self.pipelined = (
+            config.training.pipelined if options.pipelined is None else options.pipelined
+        )
+        self.specs = _feature_specs(config, options, mesh)
+        self.stages = Stages(
+            feature_specs=self.specs,
+            mesh=mesh,
+            optimizer=_model.dense_optimizer(config.model),
+            enable_minibatching=config.preprocessing.enable_minibatching,
+        )
+        key_tables, key_dense = jax.random.split(jax.random.key(config.seed))
+        self.tables = embedding.init_embedding_variables(
+            key_tables, self.specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
+        )
+        dims = {name: f.table_spec.embedding_dim for name, f in self.specs.items()}
+        self.state = replicate(
+            init_train_state(
+                key_dense,
+                config.model,
+                config.synthetic.num_dense_features,
+                dims,
+                self.stages.optimizer,
+            ),
+            mesh,
+        )
+        self.pipeline_state = None
+        self.losses: list[float] = []
+        self.window = collections.deque(maxlen=max(config.training.log_every, 1))
+
+    def arrays(self) -> dict[str, Any]:
+        arrays = {"state": self.state, "tables": self.tables}
+        if self.pipelined:
+            arrays["pipeline"] = self.pipeline_state
+        return arrays
+
+    def set_arrays(self, arrays: dict[str, Any]) -> None:
+        self.state, self.tables = arrays["state"], arrays["tables"]
+        self.pipeline_state = arrays.get("pipeline")
+
+    def record(self, output, labels: np.ndarray) -> None:
+        self.losses.append(float(output.loss))
+        self.window.append((np.asarray(_gathered(output.logits)), labels))
+
+    def window_auc(self) -> float:
+        if not self.window:
+            return float("nan")
+        logits, labels = (np.concatenate(x) for x in zip(*self.window, strict=True))
+        return _model.roc_auc(labels, logits)
+
+
+def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
+    sharding = NamedSharding(run.mesh, PartitionSpec(run.mesh.axis_names[0]))
+    return parallel.get_initial_state(
+        parallel.CurrentStepInput(batch.preprocessed, _dense_inputs(batch)),
+        run.state,
+        run.tables,
+        run.stages.sc_fwd,
+        run.stages.tc,
+        dense_input_sharding=sharding,
+        sparse_input_sharding=sharding,
+    )
+
+
+def _dummy_input(pipeline_state) -> parallel.CurrentStepInput:
+    """Zeros shaped like a batch: what the two draining calls are fed."""
+    last = pipeline_state.last_step_inputs
+    return jax.tree.map(
+        jnp.zeros_like, parallel.CurrentStepInput(last.sparse_inputs, last.dense_inputs)
+    )
+
+
+def _number_of_steps(run: _Run, batches: pipelines.DeviceIterator) -> int:
+    wanted = run.options.steps or run.config.training.steps or batches.num_batches
+    if wanted > batches.num_batches:
+        raise ValueError(
+            f"{wanted} steps need {wanted} global batches but the data holds "
+            f"{batches.num_batches} (x epochs); raise training.epochs or lower the steps."
+        )
+    return wanted
+
+
+def train(config: RunConfig, options: TrainOptions) -> TrainResult:
+    """Trains the recommender on `options.data` as `config` says.
+
+    Raises:
+      ValueError: bad data, specs or options (the message says which).
+      CheckpointError: `resume` with checkpoints none of which restores.
+    """
+    mesh = make_mesh()
+    run = _Run(config, options, mesh)
+    checkpoints = Checkpoints(options.checkpoint_dir) if options.checkpoint_dir else None
+    metrics = MetricsWriter(options.metrics_dir if jax.process_index() == 0 else None)
+    with _iterator(config, run.specs, mesh, options.data, training=True) as batches:
+        n = _number_of_steps(run, batches)
+        first = next(batches)
+        if run.pipelined:
+            run.pipeline_state = _initial_pipeline_state(run, first)
+        start, pending = 0, first
+        if options.resume and checkpoints is not None:
+            snapshot = checkpoints.restore_latest(run.arrays())
+            if snapshot is not None:
+                run.set_arrays(snapshot.arrays)
+                run.losses = list(snapshot.metadata["losses"])
+                start, pending = snapshot.step, None
+                batches.set_state(snapshot.iterator_state)
+                _log.info("Resumed from the checkpoint at step %d.", start)
+        seconds = _loop(run, batches, n, start, pending, checkpoints, metrics)
+    eval_auc = None
+    if options.eval_data is not None:
+        eval_auc = evaluate(run, options.eval_data)
+        metrics.scalar("eval/auc", eval_auc, n)
+    metrics.close()
+    if checkpoints is not None:
+        checkpoints.close()
+    trained = n - start
+    return TrainResult(
+        steps=n,
+        losses=run.losses,
+        train_auc=run.window_auc(),
+        eval_auc=eval_auc,
+        examples_per_s=trained * config.global_batch_size / seconds if seconds else 0.0,
+        seconds=seconds,
+    )
+
+
+def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics) -> float:
+    """Runs calls `start..` to the end; returns the wall time."""
+    total = parallel.get_pipeline_train_steps(n) if run.pipelined else n
+    every = run.config.training.checkpoint_every
+    jit_step = jax.jit(
+        parallel.step,
+        static_argnames=_PIPELINE_STATICS,
+        donate_argnames=("tc_train_state", "embedding_variables", "pipeline_state"),
+    )
+    labels_in_flight: collections.deque = collections.deque()
+    progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
+    began, logged = time.perf_counter(), len(run.losses)
+    for t in range(start, total):
+        batch = None
+        if t < n:
+            batch, pending = pending or next(batches), None
+            labels_in_flight.append(_gathered(batch.labels))
+        if run.pipelined:
+            _pipelined_call(run, jit_step, t, n, batch, labels_in_flight)
+        else:
+            run.state, run.tables, output = run.stages.sequential_step(
+                run.state, run.tables, batch.preprocessed, _dense_inputs(batch)
+            )
+            jax.block_until_ready((run.state, run.tables))
+            run.record(output, labels_in_flight.popleft())
+        done = t + 1
+        logged = _report(run, metrics, progress, logged)
+        if checkpoints is not None and (done % every == 0 or done == total):
+            _save(run, checkpoints, batches, done)
+        if run.options.stop_after == done:
+            logging.shutdown()
+            os._exit(0)  # noqa: SLF001 - a crash on purpose: no drain, no final checkpoint
+    progress.close()
+    return time.perf_counter() - began
+
+
+def _pipelined_call(run: _Run, jit_step, t: int, n: int, batch, labels_in_flight) -> None:
+    if batch is not None:
+        pipeline_input = parallel.CurrentStepInput(batch.preprocessed, _dense_inputs(batch))
+    else:
+        pipeline_input = _dummy_input(run.pipeline_state)
+    valid = parallel.is_output_valid(t, n)
+    output, _, run.state, run.tables, run.pipeline_state = jit_step(
+        pipeline_input,
+        run.state,
+        run.tables,
+        run.pipeline_state,
+        run.stages.sc_fwd,
+        run.stages.tc,
+        run.stages.sc_bwd,
+        fake_tc_step=not valid,
+    )
+    jax.block_until_ready((run.state, run.tables, run.pipeline_state))
+    if valid:
+        run.record(output, labels_in_flight.popleft())
+
+
+def _report(run: _Run, metrics, progress, logged: int) -> int:
+    """Updates the bar; logs a window when a multiple of log_every is reached.
+
+    Returns the number of losses logged so far.
+    """
+    trained = len(run.losses)
+    progress.update(trained, run.losses[-1] if trained else None)
+    every = run.config.training.log_every
+    if trained == logged or trained % every:
+        return logged
+    loss = float(np.mean(run.losses[-every:]))
+    auc = run.window_auc()
+    _log.info("step %d: loss %.4f, auc %.4f", trained, loss, auc)
+    metrics.scalar("train/loss", loss, trained)
+    metrics.scalar("train/auc", auc, trained)
+    return trained
+
+
+def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
+    checkpoints.save(
+        Snapshot(
+            step=done,
+            arrays=run.arrays(),
+            iterator_state=batches.get_state(),
+            metadata={"losses": run.losses, "config_hash": run.config.config_hash},
+        )
+    )
+
+
+def evaluate(run: _Run, data) -> float:
+    """AUC of the current model on `data` (one pass, file order)."""
+    logits, labels = [], []
+    with _iterator(run.config, run.specs, run.mesh, data, training=False) as batches:
+        steps = batches.num_batches
+        if run.config.training.eval_batches is not None:
+            steps = min(steps, run.config.training.eval_batches)
+        for _, batch in zip(range(steps), batches, strict=False):
+            out = run.stages.eval_logits(
+                run.state.params, run.tables, batch.preprocessed, _dense_inputs(batch)
+            )
+            logits.append(_gathered(jax.block_until_ready(out)))
+            labels.append(_gathered(batch.labels))
+    return _model.roc_auc(np.concatenate(labels), np.concatenate(logits))
