@@ -53,6 +53,7 @@ _WEIGHT_RANGE = (0.5, 1.5)
 _EXAMPLE_STREAM = 0
 _DENSE_WEIGHT_STREAM = 1
 _CALIBRATION_STREAM = 2
+_HELD_OUT_EXAMPLE_STREAM = 3
 MANIFEST_NAME = "dataset.json"
 _MANIFEST_VERSION = 1
 
@@ -144,6 +145,7 @@ def write_synthetic_dataset(
     seed: int,
     num_shards: int = 4,
     formats: Sequence[str] = ("arrayrecord", "tfrecord"),
+    held_out: bool = False,
 ) -> dict[str, list[str]]:
     """Writes a synthetic dataset as sharded files of serialized `tf.train.Example`.
 
@@ -164,6 +166,10 @@ def write_synthetic_dataset(
       seed: random seed (>= 0).
       num_shards: files per format.
       formats: any of "arrayrecord" and "tfrecord".
+      held_out: write the held-out split of the same seed instead: examples
+        of the same distribution (the same labelling function) drawn from an
+        independent stream, for evaluating a model trained on the training
+        split.
 
     Returns:
       Per format name, its file paths in shard order.
@@ -191,8 +197,10 @@ def write_synthetic_dataset(
     }
     _prepare_directories(out_dir, paths)
     start = time.perf_counter()
-    _write_shards(_example_records(dataset, num_examples, seed), num_examples, paths)
-    _write_manifest(out_dir, dataset, num_examples, seed, num_shards, paths)
+    _write_shards(
+        _example_records(dataset, num_examples, seed, held_out), num_examples, paths
+    )
+    _write_manifest(out_dir, dataset, num_examples, seed, num_shards, paths, held_out)
     seconds = time.perf_counter() - start
     _log.info(
         "Wrote %d synthetic examples to %s in %.1f s (%.0f examples/s).",
@@ -271,11 +279,13 @@ def _write_manifest(
     seed: int,
     num_shards: int,
     paths: dict[RecordFormat, list[str]],
+    held_out: bool,
 ) -> None:
     manifest = {
         "version": _MANIFEST_VERSION,
         "num_examples": num_examples,
         "seed": seed,
+        "held_out": held_out,
         "num_shards": num_shards,
         "examples_per_shard": np.diff(_shard_bounds(num_examples, num_shards)).tolist(),
         "num_dense_features": dataset.num_dense_features,
@@ -293,13 +303,16 @@ def _write_manifest(
     os.replace(temp_path, path)
 
 
-def _example_records(dataset: SyntheticDataset, num_examples: int, seed: int) -> Iterator[bytes]:
-    for batch in generate_examples(dataset, num_examples=num_examples, seed=seed):
+def _example_records(
+    dataset: SyntheticDataset, num_examples: int, seed: int, held_out: bool
+) -> Iterator[bytes]:
+    batches = generate_examples(dataset, num_examples=num_examples, seed=seed, held_out=held_out)
+    for batch in batches:
         yield from serialize_examples(batch)
 
 
 def generate_examples(
-    dataset: SyntheticDataset, *, num_examples: int, seed: int
+    dataset: SyntheticDataset, *, num_examples: int, seed: int, held_out: bool = False
 ) -> Iterator[ParsedBatch]:
     """The dataset's examples, in order, as batches of at most `_CHUNK` examples.
 
@@ -307,8 +320,9 @@ def generate_examples(
     same arguments.
     """
     model = _label_model(dataset, seed)
+    stream = _HELD_OUT_EXAMPLE_STREAM if held_out else _EXAMPLE_STREAM
     for chunk, start in enumerate(range(0, num_examples, _CHUNK)):
-        rng = _rng(seed, _EXAMPLE_STREAM, chunk)
+        rng = _rng(seed, stream, chunk)
         batch = _draw_inputs(dataset, rng, min(_CHUNK, num_examples - start))
         probabilities = _sigmoid(_logits(dataset, seed, batch, model))
         labels = (rng.random(probabilities.size) < probabilities).astype(np.int32)

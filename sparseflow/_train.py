@@ -112,7 +112,7 @@ def fdo_geometry(config: RunConfig) -> embedding.FdoGeometry:
         global_batch_size=config.global_batch_size,
         devices=config.mesh.devices,
         partitions_per_device=config.mesh.partitions_per_device,
-        processes=config.mesh.processes,
+        processes=jax.process_count(),
     )
 
 

@@ -364,3 +364,34 @@ def test_refuses_to_mix_with_shards_of_another_write(tmp_path):
     write_synthetic_dataset(DATASET, tmp_path, num_examples=30, seed=0, num_shards=3)
     with pytest.raises(ValueError, match="already holds shards of another write"):
         write_synthetic_dataset(DATASET, tmp_path, num_examples=30, seed=0, num_shards=2)
+
+
+def test_held_out_split_differs_but_follows_the_same_labels():
+    (train,) = generate_examples(DATASET, num_examples=3000, seed=5)
+    (held_out,) = generate_examples(DATASET, num_examples=3000, seed=5, held_out=True)
+    assert not np.array_equal(train.dense, held_out.dense)
+    # The seed's labelling function explains the held-out labels as well ...
+    assert _auc(label_logits(DATASET, 5, held_out), held_out.labels) > 0.7
+
+    # ... and a model fitted on the training split carries over to them.
+    def inputs(batch):
+        return np.hstack([batch.dense, _bag_of_ids(batch.ids["user"], 50)])
+
+    weights = np.linalg.lstsq(
+        np.hstack([inputs(train), np.ones((3000, 1))]), train.labels - 0.5, rcond=None
+    )[0]
+    scores = np.hstack([inputs(held_out), np.ones((3000, 1))]) @ weights
+    assert _auc(scores, held_out.labels) > 0.6
+
+
+def test_held_out_flag_in_manifest(tmp_path):
+    write_synthetic_dataset(
+        DATASET,
+        tmp_path,
+        num_examples=20,
+        seed=1,
+        num_shards=1,
+        formats=("tfrecord",),
+        held_out=True,
+    )
+    assert json.loads((tmp_path / "dataset.json").read_text())["held_out"] is True

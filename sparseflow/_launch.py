@@ -1,0 +1,78 @@
+"""Several hosts: `jax.distributed` set-up, and local processes standing in for hosts.
+
+`sparseflow train --num-processes P` on one machine starts P copies of the
+same command, each with `--process-id i --coordinator 127.0.0.1:PORT`, each
+seeing `devices / P` CPU devices and using gloo for CPU collectives. On real
+hosts, run one process per host with `--process-id` and `--coordinator`
+given by hand (or by the cluster's launcher).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import portpicker
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def use_cpu_devices(count: int) -> None:
+    """Makes the CPU backend show `count` devices.
+
+    Must run before the first JAX computation (the backend reads XLA_FLAGS
+    when it starts, not at import). A count the user already set wins.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _DEVICE_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
+
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Joins the `jax.distributed` group (gloo collectives on CPU)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+    )
+
+
+def launch_local_processes(argv: Sequence[str], num_processes: int, timeout_s: float) -> int:
+    """Runs `sparseflow <argv>` as `num_processes` local processes; returns the worst status.
+
+    Every process gets `--process-id i --coordinator 127.0.0.1:PORT`. If one
+    fails, the others are stopped (they would wait for it forever).
+
+    Raises:
+      TimeoutError: the processes did not finish within `timeout_s`.
+    """
+    coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "sparseflow", *argv, "--process-id", str(i),
+             "--coordinator", coordinator]
+        )
+        for i in range(num_processes)
+    ]
+    try:
+        return _wait_all(processes, timeout_s)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _wait_all(processes: list[subprocess.Popen], timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in processes]
+        if any(code not in (None, 0) for code in codes):
+            return max(code for code in codes if code is not None)
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.2)
+    raise TimeoutError(f"The {len(processes)} processes did not finish within {timeout_s:.0f} s.")

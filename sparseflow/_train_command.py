@@ -1,0 +1,100 @@
+"""`sparseflow train`: argument parsing and wiring of the training program."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import jax
+
+from sparseflow import _launch, _train
+from sparseflow._config import RunConfig
+
+_LAUNCH_TIMEOUT_S = 6 * 3600.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, required=True, help="the run's YAML config")
+    parser.add_argument(
+        "--data", help="training ArrayRecord files, dir or glob (default: the config's dataset)"
+    )
+    parser.add_argument("--eval-data", help="held-out ArrayRecord data: report its AUC at the end")
+    parser.add_argument("--steps", type=int, help="training steps (default: training.steps)")
+    parser.add_argument(
+        "--pipelined",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SC/TC pipelining (default: training.pipelined)",
+    )
+    parser.add_argument("--fdo", type=Path, help="FDO stats (file or dir) to set the limits from")
+    parser.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint"
+    )
+    parser.add_argument("--metrics-dir", type=Path, help="TensorBoard event files")
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        help="exit abruptly after N steps, as a crash would (for resume checks)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--num-processes", type=int, default=1, help="processes (hosts); >1 without "
+        "--process-id starts them locally on 127.0.0.1"
+    )
+    parser.add_argument("--process-id", type=int, help="this process's index (several hosts)")
+    parser.add_argument("--coordinator", help="host:port of process 0's coordinator")
+
+
+def run(args: argparse.Namespace, config: RunConfig) -> None:
+    if args.num_processes < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}.")
+    if args.num_processes > 1 and args.process_id is None:
+        code = _launch.launch_local_processes(args.argv, args.num_processes, _LAUNCH_TIMEOUT_S)
+        if code:
+            raise SystemExit(code)
+        return
+    if config.mesh.devices % args.num_processes:
+        raise ValueError(
+            f"{config.mesh.devices} devices cannot be split over {args.num_processes} processes."
+        )
+    # Only the CPU platform reads this; it must be set before JAX starts a backend.
+    _launch.use_cpu_devices(config.mesh.devices // args.num_processes)
+    if args.num_processes > 1:
+        if args.coordinator is None:
+            raise ValueError("--process-id needs --coordinator host:port.")
+        _launch.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    result = _train.train(config, options(args, config))
+    if jax.process_index() == 0:
+        print(summary(config, result))
+
+
+def options(args: argparse.Namespace, config: RunConfig) -> _train.TrainOptions:
+    return _train.TrainOptions(
+        data=args.data or str(config.dataset.dir / "arrayrecord"),
+        eval_data=args.eval_data,
+        steps=args.steps,
+        pipelined=args.pipelined,
+        fdo_dir=args.fdo,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        metrics_dir=args.metrics_dir,
+        stop_after=args.stop_after,
+        progress=not args.no_progress,
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.4f}"
+
+
+def summary(config: RunConfig, result: _train.TrainResult) -> str:
+    tail = result.losses[-config.training.log_every :]
+    mean_loss = sum(tail) / len(tail) if tail else float("nan")
+    return (
+        f"trained {result.steps} steps of {config.global_batch_size} examples "
+        f"({result.examples_per_s:,.0f} examples/s, {result.seconds:.1f} s): "
+        f"loss {_fmt(mean_loss)}, train AUC {_fmt(result.train_auc)}, "
+        f"eval AUC {_fmt(result.eval_auc)}"
+    )
