@@ -1,1 +1,58 @@
-"""beam_jobs."""
+"""Offline FDO statistics with Apache Beam (DESIGN.md section 8).
+
+`run_fdo_job` reads a dataset, forms the run's global batches, lays them out
+with the online preprocessing and writes an FDO stats file
+(`embedding.FdoStats`) whose limits `embedding.apply_fdo` puts into the specs.
+The transforms and CombineFns it is made of are public for other pipelines.
+"""
+
+from beam_jobs._batch_stats import BatchStats
+from beam_jobs._batches import SparseRows
+from beam_jobs._combiners import (
+    PERCENTILES,
+    ElementwiseMaxFn,
+    FdoStatsFn,
+    IdFrequencyFn,
+    IntHistogramFn,
+    MergeAccumulatorsFn,
+    PartialCombineFn,
+    histogram_percentiles,
+)
+from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._plot import plot_fdo_stats
+from beam_jobs._transforms import (
+    METRICS_NAMESPACE,
+    CombineFdoStats,
+    ComputeBatchStats,
+    ComputeFdoStats,
+    ReadGlobalBatches,
+    WriteDeadLetters,
+    WriteFdoStatsFile,
+)
+from beam_jobs.fdo_stats import DEAD_LETTERS_NAME, FdoJobResult, make_pipeline, run_fdo_job
+
+__all__ = [
+    "DEAD_LETTERS_NAME",
+    "METRICS_NAMESPACE",
+    "PERCENTILES",
+    "BatchStats",
+    "CombineFdoStats",
+    "ComputeBatchStats",
+    "ComputeFdoStats",
+    "ElementwiseMaxFn",
+    "FdoJobConfig",
+    "FdoJobResult",
+    "FdoStatsFn",
+    "IdFrequencyFn",
+    "IntHistogramFn",
+    "MergeAccumulatorsFn",
+    "PartialCombineFn",
+    "ReadGlobalBatches",
+    "SparseRows",
+    "WriteDeadLetters",
+    "WriteFdoStatsFile",
+    "histogram_percentiles",
+    "make_pipeline",
+    "plot_fdo_stats",
+    "run_fdo_job",
+]

@@ -3,6 +3,11 @@
   sparseflow make-data --config C [--out DIR] [--examples N] [--seed S]
                        [--shards K] [--formats arrayrecord,tfrecord]
   sparseflow demo [--config C] [--batches N]
+  sparseflow fdo --config C [--data FILES] [--out DIR] [--runner R] [--plot out.png]
+                 [-- Beam options]
+  sparseflow train --config C [--data GLOB] [--eval-data GLOB] [--steps N]
+                   [--pipelined | --no-pipelined] [--fdo DIR] [--checkpoint-dir D]
+                   [--resume] [--metrics-dir D] [--num-processes P]
 
 A user error (a bad config, a missing file, a bad record, input the
 preprocessing rejects) prints one `error: ...` line and exits with status 2;
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pipelines
-from sparseflow import _demo
+from sparseflow import _demo, _fdo_command, _train_command
 from sparseflow._config import RunConfig, load_config
 
 # The repository's configs; the package is installed from the source tree.
@@ -86,6 +91,18 @@ def _parser() -> argparse.ArgumentParser:
         "--batches", type=_positive_int, help="stop after N global batches (default: one pass)"
     )
     demo.set_defaults(run=_run_demo)
+
+    fdo = commands.add_parser(
+        "fdo", help="compute a dataset's FDO stats (limits, buffer sizes) with Apache Beam"
+    )
+    _fdo_command.add_arguments(fdo)
+    fdo.set_defaults(run=_fdo_command.run)
+
+    train = commands.add_parser(
+        "train", help="train the recommender on a dataset, streaming batches through Grain"
+    )
+    _train_command.add_arguments(train)
+    train.set_defaults(run=_train_command.run)
     return parser
 
 
@@ -123,7 +140,9 @@ def _run_demo(args: argparse.Namespace, config: RunConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 on a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

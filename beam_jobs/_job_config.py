@@ -1,0 +1,61 @@
+"""What the FDO job needs to know about a run."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import embedding
+import pipelines
+
+DEFAULT_RECORDS_PER_RANGE = 8192
+DEFAULT_TOP_K = 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class FdoJobConfig:
+    """The run the FDO job computes stats for.
+
+    Attributes:
+      feature_specs: per sparse feature (its record key), its spec, with the
+        run's table stacking applied (unstacked tables may be unprepared).
+      layout: what a record holds; its sparse features are those of
+        `feature_specs`.
+      geometry: global batch size, devices, partitions per device, processes.
+      config_hash: the run config's hash, written into the stats file.
+      top_k: heavy hitters kept per table.
+      records_per_range: records one worker reads at a time (the unit of
+        parallelism; a file of R records is read as ceil(R / this) ranges).
+    """
+
+    feature_specs: Mapping[str, embedding.FeatureSpec]
+    layout: pipelines.FeatureLayout
+    geometry: embedding.FdoGeometry
+    config_hash: str
+    top_k: int = DEFAULT_TOP_K
+    records_per_range: int = DEFAULT_RECORDS_PER_RANGE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_specs", dict(self.feature_specs))
+        if set(self.feature_specs) != set(self.layout.sparse):
+            raise ValueError(
+                f"The layout's sparse features {sorted(self.layout.sparse)} differ from the "
+                f"features of feature_specs {sorted(self.feature_specs)}."
+            )
+        batch = self.geometry.global_batch_size
+        for name, spec in self.feature_specs.items():
+            if spec.global_batch_size != batch:
+                raise ValueError(
+                    f"Feature {name!r} has global batch {spec.global_batch_size}, the geometry "
+                    f"{batch}; they must agree."
+                )
+        for name in ("top_k", "records_per_range"):
+            value = getattr(self, name)
+            minimum = 0 if name == "top_k" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+    @property
+    def vocabulary_sizes(self) -> dict[str, int]:
+        """Per feature, its table's vocabulary size."""
+        return {name: spec.table_spec.vocabulary_size for name, spec in self.feature_specs.items()}

@@ -1,0 +1,251 @@
+"""The FDO job's PTransforms: they wire steps; the work is in the modules they call.
+
+  record files -> ReadGlobalBatches -> ComputeBatchStats -> CombineFdoStats
+                  (+ dead letters)                          -> WriteFdoStatsFile
+
+Counters (Beam metrics, namespace `METRICS_NAMESPACE`): `records` read,
+`bad_records` sent to the dead letters, `tail_records` of the dropped last
+partial batch, `batches` whose stats were computed.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Iterable
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+
+import embedding
+from beam_jobs._batch_stats import BatchStatsComputer
+from beam_jobs._batches import (
+    RangeOffsets,
+    RecordRange,
+    batch_fragments,
+    check_records,
+    join_fragments,
+    range_offsets,
+    read_range,
+    split_file,
+)
+from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn, PartialCombineFn
+from beam_jobs._job_config import FdoJobConfig
+
+METRICS_NAMESPACE = "sparseflow.fdo"
+_DEAD_LETTERS = "dead_letters"
+_FRAGMENTS = "fragments"
+
+
+class _CountGoodRecordsFn(beam.DoFn):
+    """A range -> `(range key, good records)`; its bad records as dead letters."""
+
+    def __init__(self, config: FdoJobConfig):
+        self._layout = config.layout
+        self._vocabulary_sizes = config.vocabulary_sizes
+        self._records = Metrics.counter(METRICS_NAMESPACE, "records")
+        self._bad_records = Metrics.counter(METRICS_NAMESPACE, "bad_records")
+
+    def process(self, record_range: RecordRange):
+        records = read_range(record_range)
+        rows, problems = check_records(records, self._layout, self._vocabulary_sizes)
+        self._records.inc(len(records))
+        self._bad_records.inc(len(problems))
+        for index, reason in problems:
+            yield beam.pvalue.TaggedOutput(
+                _DEAD_LETTERS,
+                {
+                    "file": record_range.path,
+                    "record_index": record_range.start + index,
+                    "reason": reason,
+                },
+            )
+        yield record_range.key, rows.num_rows
+
+
+class _CutIntoBatchesFn(beam.DoFn):
+    """A range -> its whole batches `(batch, rows)`, and fragments of the others."""
+
+    def __init__(self, config: FdoJobConfig):
+        self._layout = config.layout
+        self._vocabulary_sizes = config.vocabulary_sizes
+        self._batch_size = config.geometry.global_batch_size
+        self._tail_records = Metrics.counter(METRICS_NAMESPACE, "tail_records")
+
+    def process(self, record_range: RecordRange, offsets: RangeOffsets):
+        # The range is read and checked again rather than kept from the first
+        # pass: keeping it would hold the whole dataset between the passes (in
+        # memory on the in-process runner, in the shuffle on the others).
+        rows, _ = check_records(read_range(record_range), self._layout, self._vocabulary_sizes)
+        first = offsets.first[record_range.key]
+        batches = offsets.total // self._batch_size
+        end = batches * self._batch_size
+        self._tail_records.inc(max(0, first + rows.num_rows - max(first, end)))
+        for batch, offset, fragment in batch_fragments(rows, first, self._batch_size, batches):
+            if fragment.num_rows == self._batch_size:
+                yield batch, fragment
+            else:
+                yield beam.pvalue.TaggedOutput(_FRAGMENTS, (batch, (offset, fragment)))
+
+
+def _split(indexed_file: tuple[int, str], records_per_range: int) -> list[RecordRange]:
+    return split_file(*indexed_file, records_per_range)
+
+
+def _joined(batch_and_fragments: tuple[int, Iterable], batch_size: int):
+    batch, fragments = batch_and_fragments
+    return batch, join_fragments(batch, fragments, batch_size)
+
+
+class ReadGlobalBatches(beam.PTransform):
+    """Record files -> `(batch number, SparseRows)` for every whole global batch.
+
+    See `beam_jobs._batches` for which batches these are. The output is a
+    dict: the batches in two parts, "whole_batches" (read within one range)
+    and "joined_batches" (joined from fragments of several ranges), and
+    "dead_letters" (`{"file", "record_index", "reason"}` per bad record).
+    The parts are left apart so that the per-batch work fuses with the
+    reading: the in-process runner would hold a Flatten's inputs in memory.
+    """
+
+    def __init__(self, files: list[str], config: FdoJobConfig):
+        super().__init__()
+        self._files = list(files)
+        self._config = config
+
+    def expand(self, pbegin):
+        config = self._config
+        ranges = (
+            pbegin
+            | "ListFiles" >> beam.Create(list(enumerate(self._files)))
+            | "SplitFiles" >> beam.FlatMap(_split, config.records_per_range)
+            | "DistributeRanges" >> beam.Reshuffle()
+        )
+        checked = ranges | "CheckRecords" >> beam.ParDo(_CountGoodRecordsFn(config)).with_outputs(
+            _DEAD_LETTERS, main="good_counts"
+        )
+        offsets = (
+            checked.good_counts
+            | "GatherGoodCounts" >> beam.combiners.ToList()
+            | "NumberRanges" >> beam.Map(range_offsets)
+        )
+        cut = ranges | "CutIntoBatches" >> beam.ParDo(
+            _CutIntoBatchesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
+        ).with_outputs(_FRAGMENTS, main="whole")
+        joined = (
+            cut[_FRAGMENTS]
+            | "GroupFragments" >> beam.GroupByKey()
+            | "JoinFragments" >> beam.Map(_joined, config.geometry.global_batch_size)
+        )
+        return {
+            "whole_batches": cut.whole,
+            "joined_batches": joined,
+            "dead_letters": checked[_DEAD_LETTERS],
+        }
+
+
+class _BatchStatsFn(beam.DoFn):
+    def __init__(self, config: FdoJobConfig):
+        self._config = config
+        self._batches = Metrics.counter(METRICS_NAMESPACE, "batches")
+
+    def setup(self):
+        self._compute = BatchStatsComputer(self._config.feature_specs, self._config.geometry)
+
+    def process(self, batch_and_rows):
+        self._batches.inc()
+        yield self._compute(*batch_and_rows)
+
+
+class ComputeBatchStats(beam.PTransform):
+    """`(batch number, SparseRows)` -> `BatchStats`, through the online preprocessing."""
+
+    def __init__(self, config: FdoJobConfig):
+        super().__init__()
+        self._config = config
+
+    def expand(self, batches):
+        return batches | "Preprocess" >> beam.ParDo(_BatchStatsFn(self._config))
+
+
+class CombineFdoStats(beam.PTransform):
+    """`BatchStats` -> one `embedding.FdoStats`.
+
+    The input is one PCollection, or a tuple of them (parts of the batches):
+    each part is combined on its own into an accumulator, and the few
+    accumulators are merged (no Flatten of the per-batch stats).
+    """
+
+    def __init__(self, config: FdoJobConfig):
+        super().__init__()
+        self._config = config
+
+    def expand(self, batch_stats):
+        c = self._config
+        fn = FdoStatsFn(geometry=c.geometry, config_hash=c.config_hash, top_k=c.top_k)
+        parts = batch_stats if isinstance(batch_stats, tuple) else (batch_stats,)
+        accumulators = [
+            part | f"Accumulate{i}" >> beam.CombineGlobally(PartialCombineFn(fn))
+            for i, part in enumerate(parts)
+        ]
+        return (
+            accumulators
+            | "GatherAccumulators" >> beam.Flatten()
+            | "Merge" >> beam.CombineGlobally(MergeAccumulatorsFn(fn))
+        )
+
+
+class ComputeFdoStats(beam.PTransform):
+    """Record files -> {"stats": one `embedding.FdoStats`, "dead_letters": dicts}."""
+
+    def __init__(self, files: list[str], config: FdoJobConfig):
+        super().__init__()
+        self._files = list(files)
+        self._config = config
+
+    def expand(self, pbegin):
+        read = pbegin | "ReadGlobalBatches" >> ReadGlobalBatches(self._files, self._config)
+        batch_stats = tuple(
+            read[part] | f"ComputeBatchStats/{part}" >> ComputeBatchStats(self._config)
+            for part in ("whole_batches", "joined_batches")
+        )
+        stats = batch_stats | "CombineFdoStats" >> CombineFdoStats(self._config)
+        return {"stats": stats, "dead_letters": read["dead_letters"]}
+
+
+def _write_atomically(stats: embedding.FdoStats, path: str) -> None:
+    """Writes a stats file through Beam's filesystems: a temporary file, then a rename."""
+    if not stats.batches:
+        return
+    directory, name = posixpath.split(path)
+    temp_path = FileSystems.join(directory, f".{name}.tmp")
+    with FileSystems.create(temp_path) as file:
+        file.write(stats.to_json().encode())
+    FileSystems.rename([temp_path], [path])
+
+
+class WriteFdoStatsFile(beam.PTransform):
+    """Writes the stats to `path` (any Beam filesystem); nothing when no batch was seen."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._path = path
+
+    def expand(self, stats):
+        return stats | "Write" >> beam.Map(_write_atomically, self._path)
+
+
+class WriteDeadLetters(beam.PTransform):
+    """Writes dead letters as one JSON object per line to `path` (always created)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._path = path
+
+    def expand(self, dead_letters):
+        return (
+            dead_letters
+            | "ToJson" >> beam.Map(json.dumps, sort_keys=True)
+            | "Write" >> beam.io.WriteToText(self._path, shard_name_template="", num_shards=1)
+        )

@@ -1,0 +1,141 @@
+"""The offline FDO statistics job (DESIGN.md section 8).
+
+Reads a dataset of `tf.train.Example` records (ArrayRecord or TFRecord),
+forms the run's global batches (file order, bad records skipped, the last
+partial batch dropped; see `beam_jobs._batches`), lays every host's share of
+every batch out with the online preprocessing, and writes per stacked table
+the maxima per partition, percentiles of the per-batch maxima, a histogram
+of the per-partition max ids and per logical table the id frequencies, as
+an FDO stats file (`embedding.FdoStats`; format in `embedding._fdo`).
+
+Outputs in `out_dir`:
+  `fdo_stats-offline-<time_ns>.json`  the stats (load with
+                                      `embedding.load_fdo_stats(out_dir, ...)`)
+  `dead_letters.jsonl`                one `{"file", "record_index", "reason"}`
+                                      object per bad record, in no order
+
+Runs on Beam's in-process DirectRunner unless the pipeline arguments name
+another runner (`--runner FlinkRunner`, `SparkRunner`, `DataflowRunner` with
+their usual options); `--direct_num_workers N --direct_running_mode
+multi_processing` (or `multi_threading`) spreads it over local processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.runners.direct import DirectRunner
+
+import embedding
+import pipelines
+from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._transforms import (
+    METRICS_NAMESPACE,
+    ComputeFdoStats,
+    WriteDeadLetters,
+    WriteFdoStatsFile,
+)
+
+_log = logging.getLogger(__name__)
+
+DEAD_LETTERS_NAME = "dead_letters.jsonl"
+STATS_SOURCE = "offline"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class FdoJobResult:
+    """What a finished FDO job produced.
+
+    Attributes:
+      stats_path: the stats file.
+      dead_letters_path: the dead-letter file (empty when no record was bad).
+      stats: the stats, as written.
+      counters: the job's Beam counters: `records`, `bad_records`,
+        `tail_records` (good records after the last whole batch), `batches`.
+    """
+
+    stats_path: str
+    dead_letters_path: str
+    stats: embedding.FdoStats
+    counters: Mapping[str, int]
+
+
+def make_pipeline(pipeline_args: Sequence[str] = ()) -> beam.Pipeline:
+    """A pipeline for the arguments; the in-process DirectRunner unless one is named.
+
+    Beam's own default may be a runner that downloads a binary (Prism); the
+    DirectRunner needs nothing beyond the installed packages.
+    """
+    options = PipelineOptions(list(pipeline_args))
+    runner = None if options.view_as(StandardOptions).runner else DirectRunner()
+    return beam.Pipeline(runner=runner, options=options)
+
+
+def run_fdo_job(
+    config: FdoJobConfig,
+    data: str | Sequence[str],
+    out_dir: str,
+    pipeline_args: Sequence[str] = (),
+) -> FdoJobResult:
+    """Computes the FDO stats of a dataset and writes them to `out_dir`.
+
+    Args:
+      config: the run (specs, record layout, geometry, config hash).
+      data: record files: a file, directory or glob pattern, or a list of them
+        (see `pipelines.list_record_files`), read in the listed order.
+      out_dir: output directory (local or any Beam filesystem, e.g. gs://...).
+      pipeline_args: Beam pipeline options, e.g. `["--direct_num_workers=2",
+        "--direct_running_mode=multi_processing"]` or `["--runner=FlinkRunner",
+        "--flink_master=host:8081"]`.
+
+    Returns:
+      The paths, the stats and the counters.
+
+    Raises:
+      ValueError: no record files, a corrupt file, or fewer good records than
+        one global batch.
+    """
+    files = pipelines.list_record_files(data)
+    if not FileSystems.exists(out_dir):
+        FileSystems.mkdirs(out_dir)
+    stats_path = FileSystems.join(out_dir, embedding.fdo_stats_file_name(STATS_SOURCE))
+    dead_letters_path = FileSystems.join(out_dir, DEAD_LETTERS_NAME)
+    pipeline = make_pipeline(pipeline_args)
+    outputs = pipeline | "FdoStats" >> ComputeFdoStats(files, config)
+    _ = outputs["stats"] | "WriteStats" >> WriteFdoStatsFile(stats_path)
+    _ = outputs["dead_letters"] | "WriteDeadLetters" >> WriteDeadLetters(dead_letters_path)
+    start = time.perf_counter()
+    result = pipeline.run()
+    result.wait_until_finish()
+    counters = _counters(result)
+    _log.info(
+        "FDO job over %d files took %.1f s: %s", len(files), time.perf_counter() - start, counters
+    )
+    if not FileSystems.exists(stats_path):
+        good = counters.get("records", 0) - counters.get("bad_records", 0)
+        raise ValueError(
+            f"{data}: {good} good records (of {counters.get('records', 0)}) make no whole "
+            f"global batch of {config.geometry.global_batch_size}; no stats were written."
+        )
+    with FileSystems.open(stats_path) as file:
+        stats = embedding.FdoStats.from_json(file.read().decode(), source=stats_path)
+    return FdoJobResult(
+        stats_path=stats_path, dead_letters_path=dead_letters_path, stats=stats, counters=counters
+    )
+
+
+def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
+    """The job's counters, summed over steps (committed values where the runner has them)."""
+    query = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))
+    counters: dict[str, int] = {}
+    for counter in query["counters"]:
+        value = counter.committed if counter.committed is not None else counter.attempted
+        counters[counter.key.metric.name] = counters.get(counter.key.metric.name, 0) + value
+    return counters

@@ -1,0 +1,131 @@
+"""`sparseflow fdo`: the offline FDO statistics job for a config's dataset.
+
+  sparseflow fdo --config C [--data FILE|DIR|GLOB ...] [--out DIR] [--runner R]
+                 [--direct_num_workers N] [--direct_running_mode MODE]
+                 [--plot out.png] [--headroom H] [-- other Beam options]
+
+Beam pipeline options other than the three above go after `--`, e.g.
+`-- --flink_master=localhost:8081 --environment_type=LOOPBACK`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import beam_jobs
+import embedding
+from sparseflow._config import RunConfig
+
+_DEFAULT_FORMAT_DIR = "arrayrecord"
+_RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _headroom(text: str) -> float:
+    value = float(text)
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `fdo` subcommand's arguments."""
+    parser.add_argument("--config", type=Path, required=True, help="the run's YAML config")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        help="record files (ArrayRecord or TFRecord): files, directories or glob patterns, "
+        f"read in the given order (default: the config's dataset.dir/{_DEFAULT_FORMAT_DIR})",
+    )
+    parser.add_argument(
+        "--out", help="output directory of the stats (default: the config's dataset.dir/fdo)"
+    )
+    parser.add_argument(
+        "--runner", help="Beam runner (default: DirectRunner, in process); e.g. FlinkRunner"
+    )
+    parser.add_argument(
+        "--direct_num_workers", type=_positive_int, help="DirectRunner: parallel workers"
+    )
+    parser.add_argument(
+        "--direct_running_mode", choices=_RUNNING_MODES, help="DirectRunner: how workers run"
+    )
+    parser.add_argument("--plot", type=Path, help="also save a figure of the ids per partition")
+    parser.add_argument(
+        "--headroom",
+        type=_headroom,
+        default=1.1,
+        help="factor over the observed maxima for the limits shown (default: 1.1)",
+    )
+    parser.add_argument("beam_options", nargs="*", help="further Beam pipeline options, after `--`")
+
+
+def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
+    """The FDO job's view of a run config."""
+    mesh = config.mesh
+    return beam_jobs.FdoJobConfig(
+        feature_specs=config.feature_specs,
+        layout=config.synthetic.feature_layout(),
+        geometry=embedding.FdoGeometry(
+            global_batch_size=config.global_batch_size,
+            devices=mesh.devices,
+            partitions_per_device=mesh.partitions_per_device,
+            processes=mesh.processes,
+        ),
+        config_hash=config.config_hash,
+    )
+
+
+def _pipeline_args(args: argparse.Namespace) -> list[str]:
+    named = [
+        f"--{name}={getattr(args, name)}"
+        for name in ("runner", "direct_num_workers", "direct_running_mode")
+        if getattr(args, name) is not None
+    ]
+    return named + list(args.beam_options)
+
+
+def _configured_limits(config: RunConfig) -> dict[str, int]:
+    prepared = embedding.prepare_feature_specs_for_training(
+        config.feature_specs, config.mesh.devices, config.mesh.partitions_per_device
+    )
+    return {
+        name: stack.max_ids_per_partition
+        for name, stack in embedding.get_stacked_table_specs(prepared).items()
+    }
+
+
+def run(args: argparse.Namespace, config: RunConfig) -> None:
+    """Runs the job, prints where the stats went and the limits they call for."""
+    data = args.data or [str(config.dataset.dir / _DEFAULT_FORMAT_DIR)]
+    out = args.out or str(config.dataset.dir / "fdo")
+    result = beam_jobs.run_fdo_job(job_config(config), data, out, _pipeline_args(args))
+    counters = result.counters
+    print(
+        f"{result.stats.batches} global batches of {config.global_batch_size} from "
+        f"{counters.get('records', 0):,} records ({counters.get('bad_records', 0):,} bad, "
+        f"{counters.get('tail_records', 0):,} after the last whole batch)."
+    )
+    print(f"FDO stats: {result.stats_path}")
+    print(f"Dead letters: {result.dead_letters_path}")
+    configured = _configured_limits(config)
+    limits = embedding.fdo_limits(result.stats, headroom=args.headroom)
+    print(f"Limits at headroom {args.headroom:g} (configured max ids in brackets):")
+    for name, limit in limits.items():
+        print(
+            f"  {name}: max_ids_per_partition {limit.max_ids_per_partition} "
+            f"[{configured[name]}], max_unique_ids_per_partition "
+            f"{limit.max_unique_ids_per_partition}, suggested_coo_buffer_size_per_device "
+            f"{limit.suggested_coo_buffer_size_per_device}"
+        )
+    if args.plot:
+        beam_jobs.plot_fdo_stats(
+            result.stats, args.plot, headroom=args.headroom, configured_limits=configured
+        )
+        print(f"Figure: {args.plot}")

@@ -1,0 +1,363 @@
+"""FDO stats files, the FDO client and the limits they set (embedding/_fdo.py)."""
+
+import dataclasses
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import embedding
+from embedding import initializers
+
+GLOBAL_BATCH = 64
+DEVICES, SLOTS, PROCESSES = 4, 2, 2
+LOCAL = DEVICES // PROCESSES
+N = DEVICES * SLOTS
+GEOMETRY = embedding.FdoGeometry(
+    global_batch_size=GLOBAL_BATCH,
+    devices=DEVICES,
+    partitions_per_device=SLOTS,
+    processes=PROCESSES,
+)
+HASH = "ab" * 32
+VOCABULARY = {"ta": 1000, "tb": 200, "tc": 300, "td": 100}
+FEATURES = {"a": ("ta", 5), "b": ("tb", 1), "c": ("tb", 4), "d": ("tc", 3), "e": ("td", 2)}
+
+
+def _specs():
+    tables = {
+        name: embedding.TableSpec(
+            name=name,
+            vocabulary_size=size,
+            embedding_dim=8,
+            initializer=initializers.Constant(0.0),
+            optimizer=embedding.SGDOptimizerSpec(learning_rate=0.1),
+            combiner="sum",
+            max_ids_per_partition=256,
+            max_unique_ids_per_partition=256,
+        )
+        for name, size in VOCABULARY.items()
+    }
+    specs = {
+        name: embedding.FeatureSpec(
+            name=name,
+            table_spec=tables[table],
+            input_shape=[GLOBAL_BATCH, valency],
+            output_shape=[GLOBAL_BATCH, 8],
+        )
+        for name, (table, valency) in FEATURES.items()
+    }
+    return embedding.stack_tables(specs, ["tc", "td"], DEVICES, SLOTS)
+
+
+STACKS = ("ta", "tb", "tc_td")
+
+
+def _host_batches(seed: int, batches: int):
+    """Per batch, per host, `{feature: RaggedIds}` of Zipf ids."""
+    rng = np.random.default_rng(seed)
+    rows = GLOBAL_BATCH // PROCESSES
+    result = []
+    for _ in range(batches):
+        hosts = []
+        for _ in range(PROCESSES):
+            features = {}
+            for name, (table, valency) in FEATURES.items():
+                lengths = rng.integers(1, valency + 1, rows)
+                values = (rng.zipf(1.2, lengths.sum()) - 1) % VOCABULARY[table]
+                features[name] = embedding.RaggedIds(
+                    values, np.concatenate([[0], np.cumsum(lengths)])
+                )
+            hosts.append(features)
+        result.append(hosts)
+    return result
+
+
+def _preprocess(features, specs, *, allow_id_dropping=True):
+    return embedding.preprocess_sparse_dense_matmul_input(
+        features,
+        None,
+        specs,
+        local_device_count=LOCAL,
+        global_device_count=DEVICES,
+        num_sc_per_device=SLOTS,
+        allow_id_dropping=allow_id_dropping,
+    )[1]
+
+
+def _stack_stats(value: int, processes: int = PROCESSES, **extras) -> embedding.StackFdoStats:
+    local = DEVICES // processes
+    return embedding.StackFdoStats(
+        max_ids_per_partition=np.full(local * N, value),
+        max_unique_ids_per_partition=np.full(local * N, value // 2),
+        required_buffer_size_per_sc=np.full(local * SLOTS, 8 * value),
+        **extras,
+    )
+
+
+def _stats(value: int = 10, *, config_hash=HASH, geometry=GEOMETRY, **extras) -> embedding.FdoStats:
+    return embedding.FdoStats(
+        config_hash=config_hash,
+        geometry=geometry,
+        batches=3,
+        stacks={name: _stack_stats(value, geometry.processes, **extras) for name in STACKS},
+    )
+
+
+def _document(stats: embedding.FdoStats) -> dict:
+    return json.loads(stats.to_json())
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"devices": 3}, "power of two"),
+        ({"processes": 3}, "cannot share 4 devices"),
+        ({"global_batch_size": 60}, "multiple of devices x partitions_per_device = 8"),
+        ({"partitions_per_device": 0}, "partitions_per_device must be a positive integer"),
+    ],
+)
+def test_geometry_rejects_bad_values(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(GEOMETRY, **changes)
+
+
+def test_stats_file_round_trip_with_offline_summaries():
+    histogram = np.zeros((N, 12), np.int64)
+    histogram[:, [3, 11]] = [4, 1]
+    percentiles = {"max_ids_per_partition": {"p50": 3, "p90": 5, "p99": 11, "p99.9": 11, "max": 11}}
+    stats = dataclasses.replace(
+        _stats(11, batch_max_percentiles=percentiles, partition_histogram=histogram),
+        tables={
+            "ta": embedding.TableIdFrequency(ids=90, distinct_ids=40, top_ids=((0, 20), (3, 9)))
+        },
+    )
+    loaded = embedding.FdoStats.from_json(stats.to_json())
+    assert _document(loaded) == _document(stats)
+    assert loaded.tables == stats.tables
+    np.testing.assert_array_equal(loaded.stacks["ta"].partition_histogram, histogram)
+    assert loaded.stacks["ta"].max_ids_per_partition.dtype == np.int32
+    # The histogram is stored sparsely: only the values some partition took.
+    stored = json.loads(stats.to_json())["stacks"]["ta"]["partition_histogram"]
+    assert stored["values"] == [3, 11]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not JSON"),
+        ('{"format": "other"}', "'format' is not 'sparseflow.fdo_stats'"),
+        ('{"format": "sparseflow.fdo_stats", "version": 9}', "version 9 is not the supported"),
+        ('{"format": "sparseflow.fdo_stats", "version": 1}', "missing entry 'stacks'"),
+    ],
+)
+def test_corrupt_stats_text_names_the_source_and_the_problem(text, message):
+    with pytest.raises(
+        embedding.FdoStatsError, match=f"^stats.json: corrupt FDO stats file.*{message}"
+    ):
+        embedding.FdoStats.from_json(text, source="stats.json")
+
+
+def test_stats_reject_arrays_of_another_geometry():
+    with pytest.raises(
+        ValueError, match=r"'ta': max_ids_per_partition has shape \(32,\), expected \(16,\)"
+    ):
+        embedding.FdoStats(
+            config_hash=HASH, geometry=GEOMETRY, batches=1, stacks={"ta": _stack_stats(1, 1)}
+        )
+
+
+def test_client_round_trip_and_merge_across_processes(tmp_path):
+    specs = _specs()
+    clients = [
+        embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, process_index=p)
+        for p in range(PROCESSES)
+    ]
+    recorded = []
+    for hosts in _host_batches(seed=1, batches=4):
+        for client, features in zip(clients, hosts):
+            stats = _preprocess(features, specs)
+            client.record(stats)
+            recorded.append(stats)
+    paths = [client.publish() for client in clients]
+    assert [os.path.basename(p).split("-")[1] for p in paths] == ["p00000", "p00001"]
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]
+
+    own = embedding.load_fdo_stats(paths[1], expected_config_hash=HASH, expected_geometry=GEOMETRY)
+    assert own.batches == 4
+    merged = clients[0].load()
+    assert merged.batches == 4 and sorted(merged.stacks) == sorted(STACKS)
+    for stack in STACKS:
+        for field in (
+            "max_ids_per_partition",
+            "max_unique_ids_per_partition",
+            "required_buffer_size_per_sc",
+        ):
+            expected = np.max([getattr(s, field)[stack] for s in recorded], axis=0)
+            np.testing.assert_array_equal(getattr(merged.stacks[stack], field), expected)
+
+
+def test_load_takes_the_newest_file_of_every_source(tmp_path):
+    embedding.write_fdo_stats(_stats(50), tmp_path, source="p00000")
+    embedding.write_fdo_stats(_stats(20), tmp_path, source="p00000")
+    embedding.write_fdo_stats(_stats(30), tmp_path, source="p00001")
+    embedding.write_fdo_stats(_stats(5), tmp_path, source="offline")
+    loaded = embedding.load_fdo_stats(
+        tmp_path, expected_config_hash=HASH, expected_geometry=GEOMETRY
+    )
+    assert int(loaded.stacks["ta"].max_ids_per_partition.max()) == 30
+
+
+def test_client_checks_what_it_records_and_publishes(tmp_path):
+    client = embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, process_index=0)
+    one_local_device = embedding.SparseDenseMatmulInputStats(
+        max_ids_per_partition={"ta": np.zeros(N, np.int32)},
+        max_unique_ids_per_partition={"ta": np.zeros(N, np.int32)},
+        required_buffer_size_per_sc={"ta": np.zeros(SLOTS, np.int32)},
+    )
+    with pytest.raises(ValueError, match="FdoClient.record: stats do not fit the geometry"):
+        client.record(one_local_device)
+    with pytest.raises(ValueError, match="no stats recorded yet"):
+        client.publish()
+    with pytest.raises(ValueError, match=r"process_index 2 is outside \[0, 2\)"):
+        embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, process_index=2)
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (lambda d: None, "no FDO stats files"),
+        (
+            lambda d: (d / "fdo_stats-p00000-00000000000000000001.json").write_text('{"format"'),
+            "fdo_stats-p00000-00000000000000000001.json: corrupt FDO stats file",
+        ),
+        (
+            lambda d: embedding.write_fdo_stats(_stats(config_hash="cd" * 32), d, source="p00000"),
+            "computed for config hash cdcdcdcdcdcdcdcd..., expected abababababababab",
+        ),
+        (
+            lambda d: embedding.write_fdo_stats(
+                _stats(geometry=dataclasses.replace(GEOMETRY, processes=1)), d, source="p00000"
+            ),
+            "another batch geometry: processes 1 in the file, 2 expected",
+        ),
+    ],
+    ids=["missing", "corrupt", "other config", "other geometry"],
+)
+def test_bad_stats_files_raise_or_default_with_a_warning(tmp_path, caplog, write, message):
+    write(tmp_path)
+    with pytest.raises(embedding.FdoStatsError, match=message):
+        embedding.load_fdo_stats(tmp_path, expected_config_hash=HASH, expected_geometry=GEOMETRY)
+    client = embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY)
+    with caplog.at_level(logging.WARNING, logger="embedding._fdo"):
+        assert client.load(on_mismatch="warn_and_default") is None
+    assert message.split(":")[0] in caplog.text and "using the configured limits" in caplog.text
+
+
+def test_a_missing_path_is_named(tmp_path):
+    with pytest.raises(embedding.FdoStatsError, match="nowhere.json: no such FDO stats file"):
+        embedding.load_fdo_stats(
+            tmp_path / "nowhere.json", expected_config_hash=None, expected_geometry=None
+        )
+
+
+def test_fdo_limits_hand_case():
+    stats = embedding.FdoStats(
+        config_hash=HASH,
+        geometry=GEOMETRY,
+        batches=1,
+        stacks={
+            "ta": embedding.StackFdoStats(
+                max_ids_per_partition=np.r_[100, np.zeros(LOCAL * N - 1)],
+                max_unique_ids_per_partition=np.r_[np.zeros(LOCAL * N - 1), 7],
+                required_buffer_size_per_sc=[40, 8, 0, 16],
+            ),
+            "tb": _stack_stats(0),
+        },
+    )
+    limits = embedding.fdo_limits(stats, headroom=1.1)
+    # 100 x 1.1 = 110 exactly (not 111 from float rounding); 7 x 1.1 -> 8;
+    # 40 x S=2 x 1.1 = 88 -> a multiple of 8 x S = 16: 96.
+    assert limits["ta"] == embedding.StackLimits(
+        max_ids_per_partition=110,
+        max_unique_ids_per_partition=8,
+        suggested_coo_buffer_size_per_device=96,
+    )
+    assert limits["tb"] == embedding.StackLimits(
+        max_ids_per_partition=1,
+        max_unique_ids_per_partition=1,
+        suggested_coo_buffer_size_per_device=16,
+    )
+
+
+@pytest.mark.parametrize("headroom", [0.9, float("inf"), float("nan")])
+def test_fdo_limits_reject_bad_headroom(headroom):
+    with pytest.raises(ValueError, match="headroom must be a finite number >= 1"):
+        embedding.fdo_limits(_stats(), headroom=headroom)
+
+
+def test_apply_fdo_returns_new_specs_for_every_feature_of_a_stack():
+    specs = _specs()
+    applied = embedding.apply_fdo(specs, _stats(10), headroom=1.5)
+    stacks = embedding.get_stacked_table_specs(applied)
+    assert sorted(stacks) == sorted(STACKS)
+    for stack in stacks.values():
+        assert (stack.max_ids_per_partition, stack.max_unique_ids_per_partition) == (15, 8)
+        assert stack.suggested_coo_buffer_size_per_device == 240  # 80 x S=2 x 1.5
+    for name in ("b", "c"):
+        assert applied[name].table_spec.stacked_table_spec is stacks["tb"]
+    # The inputs are not modified (frozen specs, new objects).
+    assert specs["d"].table_spec.stacked_table_spec.max_ids_per_partition == 512
+
+
+def test_apply_fdo_rejects_stats_of_other_tables():
+    stats = dataclasses.replace(_stats(), stacks={"ta": _stack_stats(3)})
+    with pytest.raises(ValueError, match=r"stats are for stacked tables \['ta'\], the specs have"):
+        embedding.apply_fdo(_specs(), stats)
+    with pytest.raises(ValueError, match=r"Limits for unknown stacked tables \['zz'\]"):
+        embedding.set_stack_limits(
+            _specs(),
+            {"zz": embedding.StackLimits(max_ids_per_partition=1, max_unique_ids_per_partition=1)},
+            global_device_count=DEVICES,
+            num_sc_per_device=SLOTS,
+        )
+
+
+def test_applied_limits_make_the_same_data_drop_nothing(tmp_path):
+    specs = _specs()
+    batches = _host_batches(seed=5, batches=6)
+    clients = [
+        embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, process_index=p)
+        for p in range(PROCESSES)
+    ]
+    for hosts in batches:
+        for client, features in zip(clients, hosts):
+            client.record(_preprocess(features, specs))
+    for client in clients:
+        client.publish()
+    stats = clients[1].load()
+    tight = embedding.apply_fdo(specs, stats, headroom=1.0)
+    for hosts in batches:
+        for features in hosts:
+            result = _preprocess(features, tight, allow_id_dropping=False)
+            assert not any(result.id_drop_counters.values())
+    # One less than the observed maximum is too little: the limits are tight.
+    stack = embedding.get_stacked_table_specs(tight)["ta"]
+    tighter = embedding.set_stack_limits(
+        tight,
+        {
+            "ta": embedding.StackLimits(
+                max_ids_per_partition=stack.max_ids_per_partition - 1,
+                max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
+                suggested_coo_buffer_size_per_device=stack.suggested_coo_buffer_size_per_device,
+            )
+        },
+        global_device_count=DEVICES,
+        num_sc_per_device=SLOTS,
+    )
+    with pytest.raises(embedding.LimitBreachError, match="ta"):
+        for hosts in batches:
+            for features in hosts:
+                _preprocess(features, tighter, allow_id_dropping=False)
