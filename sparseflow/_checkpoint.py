@@ -108,7 +108,9 @@ class Checkpoints:
                 continue
             metadata = dict(restored.metadata)
             state = base64.b64decode(metadata.pop("iterator_state"))
-            return Snapshot(step, restored.arrays, state, metadata)
+            # Orbax restores scalars onto one device; place every array as in `like`.
+            arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored.arrays, like)
+            return Snapshot(step, arrays, state, metadata)
         if steps:
             raise CheckpointError("No checkpoint could be restored: " + "; ".join(errors))
         return None

@@ -52,8 +52,16 @@ def launch_local_processes(argv: Sequence[str], num_processes: int, timeout_s: f
     coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "sparseflow", *argv, "--process-id", str(i),
-             "--coordinator", coordinator]
+            [
+                sys.executable,
+                "-m",
+                "sparseflow",
+                *argv,
+                "--process-id",
+                str(i),
+                "--coordinator",
+                coordinator,
+            ]
         )
         for i in range(num_processes)
     ]

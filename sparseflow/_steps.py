@@ -42,10 +42,15 @@ class DenseInputs(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    """`loss: float32[]` and `logits: float32[batch]` of one batch."""
+    """`loss: float32[]`, `logits: float32[batch]`, `labels: int32[batch]` of one batch.
+
+    The labels travel with the output because a pipelined step returns the
+    output of the previous call's batch.
+    """
 
     loss: jax.Array
     logits: jax.Array
+    labels: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,7 +90,12 @@ class Stages:
         new_state = TrainState(
             optax.apply_updates(state.params, updates), opt_state, state.step + 1
         )
-        return activation_grads, StepOutput(loss, logits), new_state, state.step
+        return (
+            activation_grads,
+            StepOutput(loss, logits, dense_inputs.labels),
+            new_state,
+            state.step,
+        )
 
     def sc_bwd(self, sparse_inputs, activation_grads, embedding_variables, tc_aux=None):
         tables = embedding.apply_gradients(

@@ -77,6 +77,8 @@ class TrainResult(NamedTuple):
       eval_auc: AUC on `eval_data`, or None.
       examples_per_s: training throughput of this process's run.
       seconds: wall time of the training loop.
+      train_state: the dense parameters and optimizer state at the end.
+      embedding_variables: the tables and slots at the end, by stack.
     """
 
     steps: int
@@ -85,6 +87,8 @@ class TrainResult(NamedTuple):
     eval_auc: float | None
     examples_per_s: float
     seconds: float
+    train_state: Any
+    embedding_variables: dict[str, embedding.EmbeddingVariables]
 
 
 def make_mesh() -> Mesh:
@@ -215,9 +219,9 @@ class _Run:
         self.state, self.tables = arrays["state"], arrays["tables"]
         self.pipeline_state = arrays.get("pipeline")
 
-    def record(self, output, labels: np.ndarray) -> None:
+    def record(self, output) -> None:
         self.losses.append(float(output.loss))
-        self.window.append((np.asarray(_gathered(output.logits)), labels))
+        self.window.append((_gathered(output.logits), _gathered(output.labels)))
 
     def window_auc(self) -> float:
         if not self.window:
@@ -228,7 +232,7 @@ class _Run:
 
 def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
     sharding = NamedSharding(run.mesh, PartitionSpec(run.mesh.axis_names[0]))
-    return parallel.get_initial_state(
+    state = parallel.get_initial_state(
         parallel.CurrentStepInput(batch.preprocessed, _dense_inputs(batch)),
         run.state,
         run.tables,
@@ -237,6 +241,13 @@ def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
         dense_input_sharding=sharding,
         sparse_input_sharding=sharding,
     )
+
+    # Placeholders left on one device (scalars, the output) are put on every
+    # device, so that a restored state is placed like the step's other arguments.
+    def on_mesh(x):
+        return x if isinstance(x.sharding, NamedSharding) else replicate(x, run.mesh)
+
+    return jax.tree.map(on_mesh, state)
 
 
 def _dummy_input(pipeline_state) -> parallel.CurrentStepInput:
@@ -298,6 +309,8 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         eval_auc=eval_auc,
         examples_per_s=trained * config.global_batch_size / seconds if seconds else 0.0,
         seconds=seconds,
+        train_state=run.state,
+        embedding_variables=run.tables,
     )
 
 
@@ -310,22 +323,20 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
         static_argnames=_PIPELINE_STATICS,
         donate_argnames=("tc_train_state", "embedding_variables", "pipeline_state"),
     )
-    labels_in_flight: collections.deque = collections.deque()
     progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
     began, logged = time.perf_counter(), len(run.losses)
     for t in range(start, total):
         batch = None
         if t < n:
             batch, pending = pending or next(batches), None
-            labels_in_flight.append(_gathered(batch.labels))
         if run.pipelined:
-            _pipelined_call(run, jit_step, t, n, batch, labels_in_flight)
+            _pipelined_call(run, jit_step, t, n, batch)
         else:
             run.state, run.tables, output = run.stages.sequential_step(
                 run.state, run.tables, batch.preprocessed, _dense_inputs(batch)
             )
             jax.block_until_ready((run.state, run.tables))
-            run.record(output, labels_in_flight.popleft())
+            run.record(output)
         done = t + 1
         logged = _report(run, metrics, progress, logged)
         if checkpoints is not None and (done % every == 0 or done == total):
@@ -337,7 +348,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
     return time.perf_counter() - began
 
 
-def _pipelined_call(run: _Run, jit_step, t: int, n: int, batch, labels_in_flight) -> None:
+def _pipelined_call(run: _Run, jit_step, t: int, n: int, batch) -> None:
     if batch is not None:
         pipeline_input = parallel.CurrentStepInput(batch.preprocessed, _dense_inputs(batch))
     else:
@@ -355,7 +366,7 @@ def _pipelined_call(run: _Run, jit_step, t: int, n: int, batch, labels_in_flight
     )
     jax.block_until_ready((run.state, run.tables, run.pipeline_state))
     if valid:
-        run.record(output, labels_in_flight.popleft())
+        run.record(output)
 
 
 def _report(run: _Run, metrics, progress, logged: int) -> int:

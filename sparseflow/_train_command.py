@@ -29,9 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fdo", type=Path, help="FDO stats (file or dir) to set the limits from")
     parser.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here")
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint"
-    )
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     parser.add_argument("--metrics-dir", type=Path, help="TensorBoard event files")
     parser.add_argument(
         "--stop-after",
@@ -40,8 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--num-processes", type=int, default=1, help="processes (hosts); >1 without "
-        "--process-id starts them locally on 127.0.0.1"
+        "--num-processes",
+        type=int,
+        default=1,
+        help="processes (hosts); >1 without --process-id starts them locally on 127.0.0.1",
     )
     parser.add_argument("--process-id", type=int, help="this process's index (several hosts)")
     parser.add_argument("--coordinator", help="host:port of process 0's coordinator")
@@ -66,8 +66,8 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
             raise ValueError("--process-id needs --coordinator host:port.")
         _launch.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     result = _train.train(config, options(args, config))
-    if jax.process_index() == 0:
-        print(summary(config, result))
+    prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
+    print(prefix + summary(config, result), flush=True)
 
 
 def options(args: argparse.Namespace, config: RunConfig) -> _train.TrainOptions:
