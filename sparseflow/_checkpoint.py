@@ -66,6 +66,9 @@ class Checkpoints:
             snapshot.metadata,
             iterator_state=base64.b64encode(snapshot.iterator_state).decode("ascii"),
         )
+        if snapshot.step in self._manager.all_steps():
+            # Only a run resumed past a damaged checkpoint saves a step again.
+            self._manager.delete(snapshot.step)
         self._manager.save(
             snapshot.step,
             args=ocp.args.Composite(

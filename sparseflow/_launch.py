@@ -40,30 +40,30 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
     )
 
 
-def launch_local_processes(argv: Sequence[str], num_processes: int, timeout_s: float) -> int:
+def _env_with_devices(count: int) -> dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
+    env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_FLAG}={count}"])
+    return env
+
+
+def launch_local_processes(
+    argv: Sequence[str], num_processes: int, devices_per_process: int, timeout_s: float
+) -> int:
     """Runs `sparseflow <argv>` as `num_processes` local processes; returns the worst status.
 
-    Every process gets `--process-id i --coordinator 127.0.0.1:PORT`. If one
-    fails, the others are stopped (they would wait for it forever).
+    Every process gets `--process-id i --coordinator 127.0.0.1:PORT` and
+    `devices_per_process` CPU devices. If one fails, the others are stopped
+    (they would wait for it forever).
 
     Raises:
       TimeoutError: the processes did not finish within `timeout_s`.
     """
     coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    command = [sys.executable, "-m", "sparseflow", *argv, "--coordinator", coordinator]
+    env = _env_with_devices(devices_per_process)
     processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sparseflow",
-                *argv,
-                "--process-id",
-                str(i),
-                "--coordinator",
-                coordinator,
-            ]
-        )
-        for i in range(num_processes)
+        subprocess.Popen([*command, "--process-id", str(i)], env=env) for i in range(num_processes)
     ]
     try:
         return _wait_all(processes, timeout_s)

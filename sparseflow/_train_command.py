@@ -50,17 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: RunConfig) -> None:
     if args.num_processes < 1:
         raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}.")
-    if args.num_processes > 1 and args.process_id is None:
-        code = _launch.launch_local_processes(args.argv, args.num_processes, _LAUNCH_TIMEOUT_S)
-        if code:
-            raise SystemExit(code)
-        return
     if config.mesh.devices % args.num_processes:
         raise ValueError(
             f"{config.mesh.devices} devices cannot be split over {args.num_processes} processes."
         )
+    per_process = config.mesh.devices // args.num_processes
+    if args.num_processes > 1 and args.process_id is None:
+        code = _launch.launch_local_processes(
+            args.argv, args.num_processes, per_process, _LAUNCH_TIMEOUT_S
+        )
+        if code:
+            raise SystemExit(code)
+        return
     # Only the CPU platform reads this; it must be set before JAX starts a backend.
-    _launch.use_cpu_devices(config.mesh.devices // args.num_processes)
+    _launch.use_cpu_devices(per_process)
     if args.num_processes > 1:
         if args.coordinator is None:
             raise ValueError("--process-id needs --coordinator host:port.")
