@@ -135,9 +135,15 @@ def coo_buffer_size_per_device(
     The suggested size rounded up to a multiple of `8 * S`, or else the
     theoretical maximum `roundup8(max_ids) * S * N` (times 64 with
     minibatching: every minibatch may fill its partitions up to the limit).
+    With minibatching, a suggested size (which FDO measures for one pass)
+    gets room for the padding the extra segments add: each of up to 64
+    minibatches pads each partition's segment by at most 7 entries.
     """
     if suggested_coo_buffer_size_per_device is not None:
-        return round_up(suggested_coo_buffer_size_per_device, 8 * num_sc_per_device)
+        padding = 0
+        if max_minibatches > 1:
+            padding = 8 * num_partitions * max_minibatches * num_sc_per_device
+        return round_up(suggested_coo_buffer_size_per_device + padding, 8 * num_sc_per_device)
     return round_up(max_ids_per_partition, 8) * num_sc_per_device * num_partitions * max_minibatches
 
 

@@ -2,7 +2,8 @@
 
   sparseflow make-data --config C [--out DIR] [--examples N] [--seed S]
                        [--shards K] [--formats arrayrecord,tfrecord]
-  sparseflow demo [--config C] [--batches N]
+  sparseflow demo [--config C]
+  sparseflow stats [--config C] [--batches N]
   sparseflow fdo --config C [--data FILES] [--out DIR] [--runner R] [--plot out.png]
                  [-- Beam options]
   sparseflow train --config C [--data GLOB] [--eval-data GLOB] [--steps N]
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pipelines
-from sparseflow import _demo, _fdo_command, _train_command
+from sparseflow import _demo, _fdo_command, _launch, _stats_report, _train_command
 from sparseflow._config import RunConfig, load_config
 
 # The repository's configs; the package is installed from the source tree.
@@ -81,16 +82,27 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="make the config's dataset if missing, then parse and preprocess it, "
-        "and summarize every table",
+        help="the whole job on a config's synthetic data: make it if missing, run the "
+        "FDO job, train pipelined, evaluate AUC on the held-out split",
     )
     demo.add_argument(
         "--config", type=Path, default=DEFAULT_DEMO_CONFIG, help="default: configs/demo.yaml"
     )
-    demo.add_argument(
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(run=_run_demo)
+
+    stats = commands.add_parser(
+        "stats",
+        help="make the config's dataset if missing, then parse and preprocess it, "
+        "and summarize every table",
+    )
+    stats.add_argument(
+        "--config", type=Path, default=DEFAULT_DEMO_CONFIG, help="default: configs/demo.yaml"
+    )
+    stats.add_argument(
         "--batches", type=_positive_int, help="stop after N global batches (default: one pass)"
     )
-    demo.set_defaults(run=_run_demo)
+    stats.set_defaults(run=_run_stats)
 
     fdo = commands.add_parser(
         "fdo", help="compute a dataset's FDO stats (limits, buffer sizes) with Apache Beam"
@@ -123,19 +135,24 @@ def _make_data(args: argparse.Namespace, config: RunConfig) -> None:
 
 
 def _run_demo(args: argparse.Namespace, config: RunConfig) -> None:
-    if not _demo.dataset_exists(config):
+    _launch.use_cpu_devices(config.mesh.devices)
+    print(_demo.run(config, progress=not args.no_progress))
+
+
+def _run_stats(args: argparse.Namespace, config: RunConfig) -> None:
+    if not _stats_report.dataset_exists(config):
         print(
             f"Writing the synthetic dataset ({config.dataset.examples:,} examples) "
             f"to {config.dataset.dir} ..."
         )
-        _demo.make_dataset(config)
-    result = _demo.run_demo(config, max_batches=args.batches)
+        _stats_report.make_dataset(config)
+    result = _stats_report.run_stats(config, max_batches=args.batches)
     print(
         f"{config.name}: {config.mesh.devices} devices x "
         f"{config.mesh.partitions_per_device} partitions, global batch "
         f"{config.global_batch_size}"
     )
-    print(_demo.format_report(result))
+    print(_stats_report.format_report(result))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The `sparseflow` command line: make-data, demo, and one-line user errors."""
+"""The `sparseflow` command line: make-data, stats, and one-line user errors."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ import yaml
 from array_record.python import array_record_module
 
 import pipelines
-from sparseflow import _cli, _demo, load_config
+from sparseflow import _cli, _stats_report, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BATCH = 32
@@ -103,9 +103,9 @@ def test_make_data_writes_the_requested_dataset(tmp_path, capsys):
     assert pipelines.parse_examples(records, layout).labels.shape == (200,)
 
 
-def test_demo_makes_the_dataset_and_summarizes_every_stack(tmp_path, capsys):
+def test_stats_makes_the_dataset_and_summarizes_every_stack(tmp_path, capsys):
     config = _config(tmp_path)
-    assert _cli.main(["demo", "--config", str(config), "--batches", "2"]) == 0
+    assert _cli.main(["stats", "--config", str(config), "--batches", "2"]) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "data" / "dataset.json").is_file()
     rows = _summary_rows(out)
@@ -123,19 +123,19 @@ def test_demo_makes_the_dataset_and_summarizes_every_stack(tmp_path, capsys):
     assert f"2 batches, {2 * BATCH} examples" in out
 
 
-def test_demo_reads_an_existing_dataset_in_full(tmp_path, capsys):
+def test_stats_reads_an_existing_dataset_in_full(tmp_path, capsys):
     config = _config(tmp_path)
     make = ["make-data", "--config", str(config), "--examples", "100", "--shards", "1"]
     assert _cli.main(make) == 0
-    assert _cli.main(["demo", "--config", str(config)]) == 0
+    assert _cli.main(["stats", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "Writing the synthetic dataset" not in out
     assert f"{100 // BATCH} batches, {100 // BATCH * BATCH} examples" in out
 
 
-def test_demo_counts_drops_when_dropping_is_allowed(tmp_path, capsys):
+def test_stats_counts_drops_when_dropping_is_allowed(tmp_path, capsys):
     config = _config(tmp_path, limit=1, allow_id_dropping=True)
-    assert _cli.main(["demo", "--config", str(config), "--batches", "1"]) == 0
+    assert _cli.main(["stats", "--config", str(config), "--batches", "1"]) == 0
     rows = _summary_rows(capsys.readouterr().out)
     assert int(rows["a_b"][-2].replace(",", "")) > 0
     # The stack's limit is the sum of its two tables' limits.
@@ -152,14 +152,14 @@ def _assert_user_error(capsys, argv, message: str) -> None:
 
 def test_limit_breach_is_a_user_error(tmp_path, capsys):
     config = _config(tmp_path, limit=1)
-    _assert_user_error(capsys, ["demo", "--config", str(config), "--batches", "1"], "'a_b'")
+    _assert_user_error(capsys, ["stats", "--config", str(config), "--batches", "1"], "'a_b'")
 
 
 def test_bad_config_is_a_user_error(tmp_path, capsys):
     config = _config(tmp_path, global_batch_size=40)
     _assert_user_error(
         capsys,
-        ["demo", "--config", str(config)],
+        ["stats", "--config", str(config)],
         f"error: {config}: global_batch_size: 40 is not divisible",
     )
 
@@ -177,23 +177,23 @@ def test_bad_record_is_a_user_error(tmp_path, capsys):
     for _ in range(BATCH):
         writer.write(b"not an example")
     writer.close()
-    _assert_user_error(capsys, ["demo", "--config", str(config)], "Bad record at index 0")
+    _assert_user_error(capsys, ["stats", "--config", str(config)], "Bad record at index 0")
 
 
 def test_dataset_of_other_features_is_a_user_error(tmp_path, capsys):
     config = _config(tmp_path)
     assert _cli.main(["make-data", "--config", str(config), "--examples", "64"]) == 0
     config = _config(tmp_path, dense_features=4)
-    _assert_user_error(capsys, ["demo", "--config", str(config)], "made for other features")
+    _assert_user_error(capsys, ["stats", "--config", str(config)], "made for other features")
 
 
 def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(_demo, "dataset_exists", broken)
+    monkeypatch.setattr(_stats_report, "dataset_exists", broken)
     with pytest.raises(RuntimeError, match="bug"):
-        _cli.main(["demo", "--config", str(_config(tmp_path))])
+        _cli.main(["stats", "--config", str(_config(tmp_path))])
 
 
 def test_demo_defaults_to_the_shipped_demo_config():
