@@ -40,6 +40,17 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
     )
 
 
+def free_port_block(num_processes: int, stride: int) -> int:
+    """A base port whose per-process blocks (`base + stride * r`) are free now."""
+    for _ in range(100):
+        base = portpicker.pick_unused_port()
+        if base + stride * num_processes < 65536 and all(
+            portpicker.is_port_free(base + stride * r) for r in range(num_processes)
+        ):
+            return base
+    raise RuntimeError("Found no free block of ports for the minibatching agreement.")
+
+
 def _env_with_devices(count: int) -> dict[str, str]:
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]

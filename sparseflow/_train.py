@@ -53,6 +53,9 @@ class TrainOptions:
       stop_after: end the process abruptly after this many steps (after the
         step's checkpoint, if one is due): what a crash leaves, for resume tests.
       progress: show a progress bar.
+      agreement_port: overrides `training.agreement_port` (0: keep it).
+      agreement_hosts: the hosts' addresses in process order, for the
+        minibatching agreement (default: all 127.0.0.1, local processes).
     """
 
     data: str | Sequence[str]
@@ -65,6 +68,8 @@ class TrainOptions:
     metrics_dir: Path | None = None
     stop_after: int | None = None
     progress: bool = True
+    agreement_port: int = 0
+    agreement_hosts: Sequence[str] | None = None
 
 
 class TrainResult(NamedTuple):
@@ -120,21 +125,36 @@ def fdo_geometry(config: RunConfig) -> embedding.FdoGeometry:
     )
 
 
-def _agreement(config: RunConfig) -> allreduce.AllReduceConfig | None:
+# Ports a host keeps for its workers' agreement groups (worker w: base + w).
+AGREEMENT_PORT_STRIDE = 64
+
+
+def agreement_peers(hosts: Sequence[str], base_port: int) -> list[str]:
+    """`host:port` of every host's all-reduce node, in rank order.
+
+    Host r listens on `base_port + 64 * r`, so that local processes standing
+    in for hosts (all on 127.0.0.1) do not collide; worker w of a host adds w.
+    """
+    return [f"{host}:{base_port + AGREEMENT_PORT_STRIDE * r}" for r, host in enumerate(hosts)]
+
+
+def _agreement(config: RunConfig, options: TrainOptions) -> allreduce.AllReduceConfig | None:
     if jax.process_count() == 1 or not config.preprocessing.enable_minibatching:
         return None
-    port = config.training.agreement_port
+    port = options.agreement_port or config.training.agreement_port
     if not port:
         raise ValueError(
             "Minibatching on several hosts needs training.agreement_port (the first "
             "port of the hosts' all-reduce groups) in the config."
         )
-    peers = [f"127.0.0.1:{port}"] * jax.process_count()
-    return allreduce.AllReduceConfig(rank=jax.process_index(), peers=peers)
+    hosts = options.agreement_hosts or ["127.0.0.1"] * jax.process_count()
+    if len(hosts) != jax.process_count():
+        raise ValueError(f"{len(hosts)} agreement hosts given for {jax.process_count()} processes.")
+    return allreduce.AllReduceConfig(rank=jax.process_index(), peers=agreement_peers(hosts, port))
 
 
 def _iterator(
-    config: RunConfig, specs, mesh: Mesh, data, *, training: bool
+    config: RunConfig, options: TrainOptions, specs, mesh: Mesh, data, *, training: bool
 ) -> pipelines.DeviceIterator:
     pre = config.preprocessing
     preprocess = pipelines.PreprocessConfig(
@@ -147,7 +167,7 @@ def _iterator(
         enable_minibatching=pre.enable_minibatching,
         invalid_id_policy=pre.invalid_id_policy,
         on_bad_record=pre.on_bad_record,
-        agreement=_agreement(config),
+        agreement=_agreement(config, options),
     )
     shuffle = training and config.training.shuffle
     batching = pipelines.BatchingConfig(
@@ -279,7 +299,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     run = _Run(config, options, mesh)
     checkpoints = Checkpoints(options.checkpoint_dir) if options.checkpoint_dir else None
     metrics = MetricsWriter(options.metrics_dir if jax.process_index() == 0 else None)
-    with _iterator(config, run.specs, mesh, options.data, training=True) as batches:
+    with _iterator(config, options, run.specs, mesh, options.data, training=True) as batches:
         n = _number_of_steps(run, batches)
         first = next(batches)
         if run.pipelined:
@@ -401,7 +421,7 @@ def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
 def evaluate(run: _Run, data) -> float:
     """AUC of the current model on `data` (one pass, file order)."""
     logits, labels = [], []
-    with _iterator(run.config, run.specs, run.mesh, data, training=False) as batches:
+    with _iterator(run.config, run.options, run.specs, run.mesh, data, training=False) as batches:
         steps = batches.num_batches
         if run.config.training.eval_batches is not None:
             steps = min(steps, run.config.training.eval_batches)

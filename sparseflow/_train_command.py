@@ -45,6 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--process-id", type=int, help="this process's index (several hosts)")
     parser.add_argument("--coordinator", help="host:port of process 0's coordinator")
+    parser.add_argument(
+        "--agreement-port",
+        type=int,
+        default=0,
+        help="first port of the minibatching agreement (default: training.agreement_port; "
+        "a local launch picks a free one)",
+    )
+    parser.add_argument(
+        "--agreement-hosts", help="comma-separated host of every process, in process order"
+    )
 
 
 def run(args: argparse.Namespace, config: RunConfig) -> None:
@@ -56,8 +66,14 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
         )
     per_process = config.mesh.devices // args.num_processes
     if args.num_processes > 1 and args.process_id is None:
+        argv = list(args.argv)
+        if not (args.agreement_port or config.training.agreement_port):
+            argv += [
+                "--agreement-port",
+                str(_launch.free_port_block(args.num_processes, _train.AGREEMENT_PORT_STRIDE)),
+            ]
         code = _launch.launch_local_processes(
-            args.argv, args.num_processes, per_process, _LAUNCH_TIMEOUT_S
+            argv, args.num_processes, per_process, _LAUNCH_TIMEOUT_S
         )
         if code:
             raise SystemExit(code)
@@ -85,6 +101,8 @@ def options(args: argparse.Namespace, config: RunConfig) -> _train.TrainOptions:
         metrics_dir=args.metrics_dir,
         stop_after=args.stop_after,
         progress=not args.no_progress,
+        agreement_port=args.agreement_port,
+        agreement_hosts=args.agreement_hosts.split(",") if args.agreement_hosts else None,
     )
 
 
