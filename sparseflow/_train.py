@@ -82,6 +82,8 @@ class TrainResult(NamedTuple):
       eval_auc: AUC on `eval_data`, or None.
       examples_per_s: training throughput of this process's run.
       seconds: wall time of the training loop.
+      call_seconds: wall time of every step call of this run (pipelined: n + 2
+        calls), from dispatch until its outputs are ready.
       train_state: the dense parameters and optimizer state at the end.
       embedding_variables: the tables and slots at the end, by stack.
     """
@@ -92,6 +94,7 @@ class TrainResult(NamedTuple):
     eval_auc: float | None
     examples_per_s: float
     seconds: float
+    call_seconds: list[float]
     train_state: Any
     embedding_variables: dict[str, embedding.EmbeddingVariables]
 
@@ -313,7 +316,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
                 start, pending = snapshot.step, None
                 batches.set_state(snapshot.iterator_state)
                 _log.info("Resumed from the checkpoint at step %d.", start)
-        seconds = _loop(run, batches, n, start, pending, checkpoints, metrics)
+        seconds, call_seconds = _loop(run, batches, n, start, pending, checkpoints, metrics)
     eval_auc = None
     if options.eval_data is not None:
         eval_auc = evaluate(run, options.eval_data)
@@ -329,6 +332,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         eval_auc=eval_auc,
         examples_per_s=trained * config.global_batch_size / seconds if seconds else 0.0,
         seconds=seconds,
+        call_seconds=call_seconds,
         train_state=run.state,
         embedding_variables=run.tables,
     )
@@ -344,11 +348,12 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
         donate_argnames=("tc_train_state", "embedding_variables", "pipeline_state"),
     )
     progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
-    began, logged = time.perf_counter(), len(run.losses)
+    began, logged, call_seconds = time.perf_counter(), len(run.losses), []
     for t in range(start, total):
         batch = None
         if t < n:
             batch, pending = pending or next(batches), None
+        called = time.perf_counter()
         if run.pipelined:
             _pipelined_call(run, jit_step, t, n, batch)
         else:
@@ -357,6 +362,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
             )
             jax.block_until_ready((run.state, run.tables))
             run.record(output)
+        call_seconds.append(time.perf_counter() - called)
         done = t + 1
         logged = _report(run, metrics, progress, logged)
         if checkpoints is not None and (done % every == 0 or done == total):
@@ -365,7 +371,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
             logging.shutdown()
             os._exit(0)  # noqa: SLF001 - a crash on purpose: no drain, no final checkpoint
     progress.close()
-    return time.perf_counter() - began
+    return time.perf_counter() - began, call_seconds
 
 
 def _pipelined_call(run: _Run, jit_step, t: int, n: int, batch) -> None:

@@ -1,0 +1,80 @@
+"""Training throughput on the demo config: SC/TC pipelined vs sequential, and the whole demo.
+
+Both modes train the same steps on the same data in one run. Steady-state
+figures are the median of the per-call times after the first calls (which
+compile); a pipelined run makes n + 2 calls for n batches, so its steps/s is
+n over the sum of its steady calls scaled to n + 2 calls. On 8 virtual CPU
+devices sharing 2 cores the sparse and dense stages cannot run side by side,
+so pipelining cannot gain here; the figure to watch is that it costs little.
+
+    python benchmarks/train.py [--steps 120] [--skip-demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import sparseflow  # noqa: E402
+from sparseflow import _stats_report, _train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WARMUP_CALLS = 5
+
+
+def _steady(result: _train.TrainResult, pipelined: bool) -> dict:
+    calls = result.call_seconds[WARMUP_CALLS:]
+    median = statistics.median(calls)
+    n = result.steps
+    per_step = median * (n + 2) / n if pipelined else median
+    return {
+        "steps_per_s": round(1.0 / per_step, 2),
+        "examples_per_s": round(512 / per_step),
+        "median_call_ms": round(median * 1e3, 1),
+        "wall_s": round(result.seconds, 1),
+        "final_loss": round(sum(result.losses[-20:]) / 20, 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--skip-demo", action="store_true")
+    args = parser.parse_args()
+    config = sparseflow.load_config(REPO / "configs" / "demo.yaml")
+    if not _stats_report.dataset_exists(config):
+        _stats_report.make_dataset(config)
+    data = str(config.dataset.dir / "arrayrecord")
+    figures = {"benchmark": "train", "config": "configs/demo.yaml", "steps": args.steps}
+    for pipelined in (False, True):
+        result = _train.train(
+            config,
+            _train.TrainOptions(data=data, steps=args.steps, pipelined=pipelined, progress=False),
+        )
+        figures["pipelined" if pipelined else "sequential"] = _steady(result, pipelined)
+    sequential, pipelined = figures["sequential"], figures["pipelined"]
+    figures["ratio_vs_sequential"] = round(pipelined["steps_per_s"] / sequential["steps_per_s"], 3)
+    if not args.skip_demo:
+        began = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "sparseflow", "demo", "--no-progress"],
+            check=True,
+            cwd=REPO,
+            capture_output=True,
+        )
+        figures["demo_s"] = round(time.perf_counter() - began, 1)
+    figures["cpu_count"] = os.cpu_count()
+    figures["load_average_1m"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
