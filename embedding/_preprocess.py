@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import operator
 import os
 from collections.abc import Mapping
@@ -37,6 +38,9 @@ from embedding._stacking import (
     check_partition_count,
     prepare_feature_specs_for_training,
 )
+
+
+_log = logging.getLogger(__name__)
 
 
 class SparseDenseMatmulInput(NamedTuple):
@@ -214,6 +218,14 @@ def _plan(
             max_minibatches=max_minibatches,
         )
         limits = Limits(stacked.max_ids_per_partition, stacked.max_unique_ids_per_partition)
+        if minibatching and stacked.suggested_coo_buffer_size_per_device is None:
+            _log.warning(
+                "Stack %r: with minibatching and no suggested buffer size, every device "
+                "reserves %d entries (64 minibatches at the limits); apply FDO stats to "
+                "size the buffer from the data.",
+                name,
+                geometry.coo_size,
+            )
         plans.append(_StackPlan(name, tuple(features), geometry, limits))
     return tuple(plans)
 

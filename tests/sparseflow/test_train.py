@@ -24,6 +24,9 @@ def _small_demo_config(tmp: Path, training: dict) -> Path:
     raw = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     raw["dataset"] = {"dir": str(tmp / "data"), "examples": 5120, "eval_examples": 1024}
     raw["training"] = training
+    # Without FDO buffer sizes, minibatching reserves room for 64 minibatches
+    # at the configured limits; these runs need no minibatching.
+    raw["preprocessing"]["enable_minibatching"] = False
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
