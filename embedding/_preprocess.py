@@ -39,7 +39,6 @@ from embedding._stacking import (
     prepare_feature_specs_for_training,
 )
 
-
 _log = logging.getLogger(__name__)
 
 
