@@ -29,6 +29,11 @@ from parallel.pipeshard._options import (
 )
 from parallel.pipeshard._plot import TimelineAxis, plot_schedule
 from parallel.pipeshard._runtime import PipeshardExecutable
+from parallel.pipeshard._sc_tc_adapter import (
+    PipeshardTcStage,
+    TcTrainState,
+    pipeshard_tc_function,
+)
 from parallel.pipeshard._schedules import (
     ExecutedSchedule,
     Task,
@@ -53,10 +58,12 @@ __all__ = [
     "PipeshardExecutable",
     "PipeshardFunction",
     "PipeshardParallel",
+    "PipeshardTcStage",
     "StagePlan",
     "Task",
     "TaskKind",
     "TaskRecord",
+    "TcTrainState",
     "TimelineAxis",
     "UniformStageOption",
     "build_schedule",
@@ -66,6 +73,7 @@ __all__ = [
     "max_inflight_microbatches",
     "parallelize",
     "pipeline_marker_p",
+    "pipeshard_tc_function",
     "pipeshard_value_and_grad",
     "plot_schedule",
     "value_and_grad",
