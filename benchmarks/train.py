@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import sparseflow  # noqa: E402
-from sparseflow import _stats_report, _train  # noqa: E402
+from sparseflow import _demo, _train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP_CALLS = 5
@@ -50,14 +50,16 @@ def main() -> None:
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
     config = sparseflow.load_config(REPO / "configs" / "demo.yaml")
-    if not _stats_report.dataset_exists(config):
-        _stats_report.make_dataset(config)
+    _demo.ensure_data(config)
     data = str(config.dataset.dir / "arrayrecord")
+    fdo_dir, _ = _demo.run_fdo(config, data)  # the limits the demo trains with
     figures = {"benchmark": "train", "config": "configs/demo.yaml", "steps": args.steps}
     for pipelined in (False, True):
         result = _train.train(
             config,
-            _train.TrainOptions(data=data, steps=args.steps, pipelined=pipelined, progress=False),
+            _train.TrainOptions(
+                data=data, steps=args.steps, pipelined=pipelined, fdo_dir=fdo_dir, progress=False
+            ),
         )
         figures["pipelined" if pipelined else "sequential"] = _steady(result, pipelined)
     sequential, pipelined = figures["sequential"], figures["pipelined"]

@@ -27,7 +27,7 @@ def run_dir(config: RunConfig) -> Path:
     return config.dataset.dir.parent
 
 
-def _ensure_data(config: RunConfig) -> None:
+def ensure_data(config: RunConfig) -> None:
     if not _stats_report.dataset_exists(config):
         print(f"Writing {config.dataset.examples:,} training examples to {config.dataset.dir} ...")
         _stats_report.make_dataset(config)
@@ -38,7 +38,7 @@ def _ensure_data(config: RunConfig) -> None:
         _stats_report.make_held_out(config)
 
 
-def _fdo(config: RunConfig, data: str) -> tuple[Path, str]:
+def run_fdo(config: RunConfig, data: str) -> tuple[Path, str]:
     out = run_dir(config) / "fdo"
     result = beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(out))
     limits = embedding.fdo_limits(result.stats, headroom=config.training.fdo_headroom)
@@ -55,9 +55,9 @@ def _fdo(config: RunConfig, data: str) -> tuple[Path, str]:
 def run(config: RunConfig, *, progress: bool = True) -> str:
     """Runs the demo; returns its summary."""
     began = time.perf_counter()
-    _ensure_data(config)
+    ensure_data(config)
     data = str(config.dataset.dir / "arrayrecord")
-    fdo_dir, fdo_summary = _fdo(config, data)
+    fdo_dir, fdo_summary = run_fdo(config, data)
     print(fdo_summary)
     checkpoints = run_dir(config) / "checkpoints"
     shutil.rmtree(checkpoints, ignore_errors=True)
