@@ -40,6 +40,7 @@ import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+import _zipf_batches  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -60,16 +61,15 @@ INITIAL_ACCUMULATOR = 0.1
 
 
 def make_batches(num_batches: int, seed: int) -> list[dict[str, embedding.RaggedIds]]:
-    rng = np.random.default_rng(seed)
-    batches = []
-    for _ in range(num_batches):
-        batch = {}
-        for t in range(TABLES):
-            lengths = rng.integers(1, MAX_VALENCY + 1, BATCH)
-            ids = ((rng.zipf(ZIPF, lengths.sum()) - 1) % VOCABULARY).astype(np.int32)
-            batch[f"f{t}"] = embedding.RaggedIds(ids, np.concatenate([[0], np.cumsum(lengths)]))
-        batches.append(batch)
-    return batches
+    return _zipf_batches.make_batches(
+        num_batches,
+        seed,
+        tables=TABLES,
+        rows=BATCH,
+        vocabulary=VOCABULARY,
+        zipf=ZIPF,
+        max_valency=MAX_VALENCY,
+    )
 
 
 def make_specs(limits: dict[str, int]) -> dict[str, embedding.FeatureSpec]:

@@ -24,6 +24,7 @@ import json
 import statistics
 import time
 
+import _zipf_batches
 import numpy as np
 
 import embedding
@@ -39,17 +40,15 @@ MAX_VALENCY = 20
 
 
 def make_batches(num_batches: int, seed: int) -> list[dict[str, embedding.RaggedIds]]:
-    rng = np.random.default_rng(seed)
-    batches = []
-    for _ in range(num_batches):
-        batch = {}
-        for t in range(TABLES):
-            lengths = rng.integers(1, MAX_VALENCY + 1, HOST_BATCH)
-            ids = ((rng.zipf(ZIPF, lengths.sum()) - 1) % VOCABULARY).astype(np.int32)
-            splits = np.concatenate([[0], np.cumsum(lengths)])
-            batch[f"f{t}"] = embedding.RaggedIds(ids, splits)
-        batches.append(batch)
-    return batches
+    return _zipf_batches.make_batches(
+        num_batches,
+        seed,
+        tables=TABLES,
+        rows=HOST_BATCH,
+        vocabulary=VOCABULARY,
+        zipf=ZIPF,
+        max_valency=MAX_VALENCY,
+    )
 
 
 def as_object_rows(batch: dict[str, embedding.RaggedIds]) -> dict[str, np.ndarray]:

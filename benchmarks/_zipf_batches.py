@@ -1,0 +1,31 @@
+"""Batches of Zipf-distributed ragged ids, shared by the benchmarks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import embedding
+
+
+def make_batches(
+    num_batches: int,
+    seed: int,
+    *,
+    tables: int,
+    rows: int,
+    vocabulary: int,
+    zipf: float,
+    max_valency: int,
+) -> list[dict[str, embedding.RaggedIds]]:
+    """`num_batches` dicts of `RaggedIds` by feature `f<t>`: `int32` ids
+    `(Zipf(zipf) - 1) mod vocabulary`, 1..max_valency ids per row."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(num_batches):
+        batch = {}
+        for t in range(tables):
+            lengths = rng.integers(1, max_valency + 1, rows)
+            ids = ((rng.zipf(zipf, lengths.sum()) - 1) % vocabulary).astype(np.int32)
+            batch[f"f{t}"] = embedding.RaggedIds(ids, np.concatenate([[0], np.cumsum(lengths)]))
+        batches.append(batch)
+    return batches
