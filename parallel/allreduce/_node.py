@@ -3,13 +3,14 @@
 Flow of one key on host i of N, with K local contributors:
   1. each local thread calls `contribute` (or `all_reduce`); the values are
      ORed into the host's value L_i;
-  2. the K-th contribution sends L_i to every peer, asynchronously;
+  2. the K-th contribution queues L_i on the stream to every peer (one
+     long-lived `ContributeStream` per peer, see `_stream.py`) and returns;
   3. the server ORs each peer's L_j into the key as it arrives;
   4. `get_result` returns once K local and N-1 peer values are in.
 
 Locks: `_close_lock` (only in `close`, released before anything else is
-taken), the table's lock and the sender's lock; no two are ever held at once,
-so there is no order to violate. No lock is held while a gRPC call is started,
+taken), the table's lock and each peer stream's lock; no two are ever held at
+once, so there is no order to violate. No lock is held while a gRPC call is started,
 and a waiter blocks on its key's condition, which releases the table's lock.
 """
 
@@ -126,9 +127,14 @@ class AllReduceNode:
         """Binds (unless bound), opens the channels to the peers, starts serving."""
         config = self._config
         host = split_address(config.peers[config.rank])[0]
-        self._server = bound or bind_server(config.listen_port, host=host)
+        server = bound or bind_server(config.listen_port, host=host)
+        try:
+            server.start(AllReduceServicer(self._receive), peers=config.world_size - 1)
+        except ValueError:
+            server.stop(0)  # the node owns its server, even on failure
+            raise
+        self._server = server
         self._sender = PeerSender(rank=config.rank, peers=config.peers, on_rejected=self._rejected)
-        self._server.start(AllReduceServicer(self._receive))
 
     @classmethod
     def from_config(

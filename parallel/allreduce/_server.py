@@ -16,9 +16,10 @@ from parallel.allreduce._servicer import AllReduceServicer
 
 _log = logging.getLogger(__name__)
 
-# Handlers only OR a value into a table under a lock and never block, so a few
-# threads serve any number of peers.
-DEFAULT_MAX_WORKERS = 4
+# Every peer's `ContributeStream` holds one thread for as long as it is open,
+# and a few more serve unary calls. The pool starts threads only when no idle
+# one is left, so a generous cap costs nothing for small groups.
+DEFAULT_MAX_WORKERS = 64
 
 _SERVER_OPTIONS = [
     # Refuse a port another server already listens on, instead of sharing it
@@ -34,10 +35,17 @@ class BoundServer:
     it and stops it on `close()`.
     """
 
-    def __init__(self, server: grpc.Server, executor: futures.ThreadPoolExecutor, port: int):
+    def __init__(
+        self,
+        server: grpc.Server,
+        executor: futures.ThreadPoolExecutor,
+        port: int,
+        max_workers: int,
+    ):
         self._server = server
         self._executor = executor
         self._port = port
+        self._max_workers = max_workers
         self._started = False
 
     @property
@@ -45,11 +53,22 @@ class BoundServer:
         """The bound port."""
         return self._port
 
-    def start(self, servicer: AllReduceServicer) -> None:
-        """Serves `servicer`; a server can be started once."""
+    def start(self, servicer: AllReduceServicer, *, peers: int) -> None:
+        """Serves `servicer` for a node with `peers` peers; a server can be started once.
+
+        Raises:
+          ValueError: the server was started already, or has fewer threads
+            than one per peer's stream plus one.
+        """
         if self._started:
             raise ValueError(
                 f"The server on port {self._port} already serves a node; bind one per node."
+            )
+        if self._max_workers <= peers:
+            raise ValueError(
+                f"The server on port {self._port} has max_workers={self._max_workers}, but "
+                f"each of the {peers} peers holds a thread with its stream; bind it with "
+                f"max_workers >= {peers + 1}."
             )
         allreduce_pb2_grpc.add_AllReduceServicer_to_server(servicer, self._server)
         self._server.start()
@@ -70,7 +89,7 @@ def bind_server(
       port: the port; 0 picks a free one (read it from `.port`).
       host: the interface to listen on; "[::]" for all, "127.0.0.1" for
         loopback only.
-      max_workers: threads serving the RPCs.
+      max_workers: threads serving the RPCs; more than the node's peers.
 
     Raises:
       OSError: the address cannot be bound (e.g. the port is in use).
@@ -86,4 +105,4 @@ def bind_server(
             "(every host's port must match its entry in the peer list)."
         ) from e
     _log.debug("all-reduce server bound to %s:%d", host, bound)
-    return BoundServer(server, executor, bound)
+    return BoundServer(server, executor, bound, max_workers)

@@ -16,3 +16,13 @@ class AllReduceData(_message.Message):
     bool_val: bool
     uint64_val: int
     def __init__(self, sync_key: _Optional[int] = ..., src_rank: _Optional[int] = ..., bool_val: bool = ..., uint64_val: _Optional[int] = ...) -> None: ...
+
+class ContributeReply(_message.Message):
+    __slots__ = ("handled", "rejected_sync_key", "rejected")
+    HANDLED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_SYNC_KEY_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    handled: int
+    rejected_sync_key: int
+    rejected: str
+    def __init__(self, handled: _Optional[int] = ..., rejected_sync_key: _Optional[int] = ..., rejected: _Optional[str] = ...) -> None: ...

@@ -41,6 +41,11 @@ class AllReduceStub(object):
                 request_serializer=allreduce__pb2.AllReduceData.SerializeToString,
                 response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ContributeStream = channel.stream_stream(
+                '/sparseflow.allreduce.AllReduce/ContributeStream',
+                request_serializer=allreduce__pb2.AllReduceData.SerializeToString,
+                response_deserializer=allreduce__pb2.ContributeReply.FromString,
+                _registered_method=True)
 
 
 class AllReduceServicer(object):
@@ -56,6 +61,16 @@ class AllReduceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ContributeStream(self, request_iterator, context):
+        """The same for a stream of values from one peer. A rejected message is
+        answered with a reply naming it, and the stream goes on; the stream ends
+        with OK once the sender half-closes it and every message is handled, or
+        with UNAVAILABLE when this host's node is closed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllReduceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +78,11 @@ def add_AllReduceServicer_to_server(servicer, server):
                     servicer.ContributeData,
                     request_deserializer=allreduce__pb2.AllReduceData.FromString,
                     response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+            ),
+            'ContributeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ContributeStream,
+                    request_deserializer=allreduce__pb2.AllReduceData.FromString,
+                    response_serializer=allreduce__pb2.ContributeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -93,6 +113,33 @@ class AllReduce(object):
             '/sparseflow.allreduce.AllReduce/ContributeData',
             allreduce__pb2.AllReduceData.SerializeToString,
             google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContributeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sparseflow.allreduce.AllReduce/ContributeStream',
+            allreduce__pb2.AllReduceData.SerializeToString,
+            allreduce__pb2.ContributeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -165,6 +165,13 @@ def test_the_port_must_be_free():
         server.stop(0)
 
 
+def test_the_server_needs_a_thread_per_peer_stream():
+    server = bind_server(0, host="127.0.0.1", max_workers=3)
+    peers = [f"127.0.0.1:{server.port}", *(f"127.0.0.1:{p}" for p in allreduce_hosts.free_ports(3))]
+    with pytest.raises(ValueError, match="max_workers=3, but each of the 3 peers"):
+        AllReduceNode(0, peers, server)
+
+
 def test_a_node_is_not_picklable_but_its_config_is():
     with AllReduceNode(0, ["localhost:0"], local_contributors=2) as node:
         with pytest.raises(TypeError, match="AllReduceConfig"):

@@ -1,4 +1,4 @@
-"""The `AllReduce` service on a real server, with the test acting as the peers."""
+"""The `AllReduce` service (unary and streaming) on a real server, the test acting as the peers."""
 
 import allreduce_hosts
 import grpc
@@ -12,7 +12,7 @@ from parallel.allreduce import (
 )
 from parallel.allreduce import allreduce_pb2 as pb
 from parallel.allreduce import allreduce_pb2_grpc as pb_grpc
-from parallel.allreduce._servicer import AllReduceServicer
+from parallel.allreduce._servicer import ACK_EVERY, AllReduceServicer
 
 RPC_TIMEOUT_S = 20
 
@@ -94,7 +94,7 @@ def test_servicer_maps_errors_to_status_codes(error, code):
         raise error
 
     server = bind_server(0, host="127.0.0.1")
-    server.start(AllReduceServicer(receive))
+    server.start(AllReduceServicer(receive), peers=1)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             with pytest.raises(grpc.RpcError) as info:
@@ -103,3 +103,50 @@ def test_servicer_maps_errors_to_status_codes(error, code):
         server.stop(0)
     assert info.value.code() is code and info.value.details() == str(error)
     assert [(m.sync_key, m.src_rank, m.bool_val) for m in received] == [(1, 1, True)]
+
+
+def stream(stub, messages):
+    """The replies of one `ContributeStream` carrying `messages`, then half-closed."""
+    requests = [pb.AllReduceData(**fields) for fields in messages]
+    return list(stub.ContributeStream(iter(requests), timeout=RPC_TIMEOUT_S))
+
+
+def test_stream_rejects_one_message_and_goes_on(node, stub):
+    node.contribute(7, False)
+    replies = stream(
+        stub,
+        [
+            dict(sync_key=7, src_rank=0, bool_val=True),  # the receiver's own rank
+            dict(sync_key=7, src_rank=1, bool_val=True),
+            dict(sync_key=9, src_rank=2),  # no value
+            dict(sync_key=7, src_rank=2, bool_val=False),
+        ],
+    )
+    assert [(r.handled, r.rejected_sync_key) for r in replies] == [(1, 7), (3, 9)]
+    assert "src_rank 0 of sync key 7 is not a peer of rank 0" in replies[0].rejected
+    assert "rank 2 for sync key 9 has no value" in replies[1].rejected
+    assert node.get_result(7) is True
+    assert node.stats().rejected == 2
+
+
+def test_stream_acknowledges_every_few_messages(node, stub):
+    count = 2 * ACK_EVERY + 1
+    replies = stream(stub, [dict(sync_key=key, src_rank=1, uint64_val=key) for key in range(count)])
+    assert [(r.handled, r.rejected) for r in replies] == [(ACK_EVERY, ""), (2 * ACK_EVERY, "")]
+    assert node.stats().pending == count  # every key waits for rank 2 and the local value
+
+
+def test_stream_of_a_closed_node_ends_unavailable():
+    def receive(message):
+        raise AllReduceClosedError("closed", sync_key=message.sync_key, rank=0)
+
+    server = bind_server(0, host="127.0.0.1")
+    server.start(AllReduceServicer(receive), peers=1)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                stub = pb_grpc.AllReduceStub(channel)
+                stream(stub, [dict(sync_key=1, src_rank=1, bool_val=True)])
+    finally:
+        server.stop(0)
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE and info.value.details() == "closed"
