@@ -6,17 +6,26 @@
 Counters (Beam metrics, namespace `METRICS_NAMESPACE`): `records` read,
 `bad_records` sent to the dead letters, `tail_records` of the dropped last
 partial batch, `batches` whose stats were computed.
+
+Every step costs the in-process runner time at every run (building,
+translating and running it), whatever the data: the job keeps them few.
+Files and ranges are spread by plain GroupByKeys, the per-batch stats are
+folded per bundle before the one global combine (which has no default
+value), and dead letters are written in two steps.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+import shutil
+import uuid
 from collections.abc import Iterable
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
+from apache_beam.transforms.window import GlobalWindows
 
 import embedding
 from beam_jobs._batch_stats import BatchStatsComputer
@@ -30,7 +39,7 @@ from beam_jobs._batches import (
     read_range,
     split_file,
 )
-from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn, PartialCombineFn
+from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn
 from beam_jobs._job_config import FdoJobConfig
 
 METRICS_NAMESPACE = "sparseflow.fdo"
@@ -98,6 +107,27 @@ def _joined(batch_and_fragments: tuple[int, Iterable], batch_size: int):
     return batch, join_fragments(batch, fragments, batch_size)
 
 
+class _Redistribute(beam.PTransform):
+    """A fusion break that spreads the elements over the workers, keyed by `key`.
+
+    A plain GroupByKey: the elements are few and small (files, ranges), so
+    Beam's `Reshuffle` (which also keeps timestamps and windows) only adds
+    steps to every run.
+    """
+
+    def __init__(self, key):
+        super().__init__()
+        self._key = key
+
+    def expand(self, pcoll):
+        return (
+            pcoll
+            | "Key" >> beam.Map(lambda element, key: (key(element), element), self._key)
+            | "Group" >> beam.GroupByKey()
+            | "Values" >> beam.FlatMap(lambda key_values: key_values[1])
+        )
+
+
 class ReadGlobalBatches(beam.PTransform):
     """Record files -> `(batch number, SparseRows)` for every whole global batch.
 
@@ -116,18 +146,22 @@ class ReadGlobalBatches(beam.PTransform):
 
     def expand(self, pbegin):
         config = self._config
+        # Files, then ranges, are spread over the workers: counting the records
+        # of a TFRecord file reads it.
         ranges = (
             pbegin
-            | "ListFiles" >> beam.Create(list(enumerate(self._files)))
+            | "Start" >> beam.Impulse()
+            | "ListFiles" >> beam.FlatMap(lambda _, files: enumerate(files), self._files)
+            | "DistributeFiles" >> _Redistribute(lambda indexed_file: indexed_file[0])
             | "SplitFiles" >> beam.FlatMap(_split, config.records_per_range)
-            | "DistributeRanges" >> beam.Reshuffle()
+            | "DistributeRanges" >> _Redistribute(lambda record_range: record_range.key)
         )
         checked = ranges | "CheckRecords" >> beam.ParDo(_CountGoodRecordsFn(config)).with_outputs(
             _DEAD_LETTERS, main="good_counts"
         )
         offsets = (
             checked.good_counts
-            | "GatherGoodCounts" >> beam.combiners.ToList()
+            | "GatherGoodCounts" >> beam.combiners.ToList().without_defaults()
             | "NumberRanges" >> beam.Map(range_offsets)
         )
         cut = ranges | "CutIntoBatches" >> beam.ParDo(
@@ -169,11 +203,35 @@ class ComputeBatchStats(beam.PTransform):
         return batches | "Preprocess" >> beam.ParDo(_BatchStatsFn(self._config))
 
 
+class _AccumulateFn(beam.DoFn):
+    """Folds a bundle's elements into one accumulator of `fn` (compacted), output at its end.
+
+    What Beam's combiner lifting does, done before a Flatten: the runner
+    then holds a few accumulators between stages, not every element.
+    """
+
+    def __init__(self, fn: beam.CombineFn):
+        self._fn = fn
+
+    def start_bundle(self):
+        self._accumulator = None
+
+    def process(self, element):
+        if self._accumulator is None:
+            self._accumulator = self._fn.create_accumulator()
+        self._accumulator = self._fn.add_input(self._accumulator, element)
+
+    def finish_bundle(self):
+        if self._accumulator is not None:
+            yield GlobalWindows.windowed_value(self._fn.compact(self._accumulator))
+            self._accumulator = None
+
+
 class CombineFdoStats(beam.PTransform):
-    """`BatchStats` -> one `embedding.FdoStats`.
+    """`BatchStats` -> one `embedding.FdoStats`, none when there are no batches.
 
     The input is one PCollection, or a tuple of them (parts of the batches):
-    each part is combined on its own into an accumulator, and the few
+    each part is folded per bundle into accumulators, and the few
     accumulators are merged (no Flatten of the per-batch stats).
     """
 
@@ -186,13 +244,12 @@ class CombineFdoStats(beam.PTransform):
         fn = FdoStatsFn(geometry=c.geometry, config_hash=c.config_hash, top_k=c.top_k)
         parts = batch_stats if isinstance(batch_stats, tuple) else (batch_stats,)
         accumulators = [
-            part | f"Accumulate{i}" >> beam.CombineGlobally(PartialCombineFn(fn))
-            for i, part in enumerate(parts)
+            part | f"Accumulate{i}" >> beam.ParDo(_AccumulateFn(fn)) for i, part in enumerate(parts)
         ]
         return (
             accumulators
             | "GatherAccumulators" >> beam.Flatten()
-            | "Merge" >> beam.CombineGlobally(MergeAccumulatorsFn(fn))
+            | "Merge" >> beam.CombineGlobally(MergeAccumulatorsFn(fn)).without_defaults()
         )
 
 
@@ -236,16 +293,67 @@ class WriteFdoStatsFile(beam.PTransform):
         return stats | "Write" >> beam.Map(_write_atomically, self._path)
 
 
+class _WriteShardFn(beam.DoFn):
+    """Writes a bundle's lines to a new file in `directory`; outputs its path."""
+
+    def __init__(self, directory: str):
+        self._directory = directory
+
+    def start_bundle(self):
+        self._path, self._file = None, None
+
+    def process(self, line: str):
+        if self._file is None:
+            self._path = FileSystems.join(self._directory, f"shard-{uuid.uuid4().hex}")
+            self._file = FileSystems.create(self._path)
+        self._file.write(line.encode() + b"\n")
+
+    def finish_bundle(self):
+        if self._file is not None:
+            self._file.close()
+            yield GlobalWindows.windowed_value(self._path)
+            self._path, self._file = None, None
+
+
+def _concatenate(_, shards: list[str], path: str, directory: str) -> None:
+    """Writes the shards, one after the other, to `path` (via a renamed temporary file)."""
+    parent, name = posixpath.split(path)
+    temp_path = FileSystems.join(parent, f".{name}.tmp")
+    with FileSystems.create(temp_path) as file:
+        for shard in shards:
+            with FileSystems.open(shard) as lines:
+                shutil.copyfileobj(lines, file)
+    FileSystems.rename([temp_path], [path])
+    # Shards of bundles a runner retried are in the directory but not in `shards`.
+    written = FileSystems.match([FileSystems.join(directory, "shard-*")])[0].metadata_list
+    if written:
+        FileSystems.delete([metadata.path for metadata in written])
+    if FileSystems.exists(directory):  # a local directory; object stores have none
+        FileSystems.delete([directory])
+
+
 class WriteDeadLetters(beam.PTransform):
-    """Writes dead letters as one JSON object per line to `path` (always created)."""
+    """Writes dead letters as one JSON object per line to `path` (always created).
+
+    Every bundle writes its letters to a file of its own next to `path`, and
+    one step then joins these files: the letters stream to files where they
+    are found, and the few steps of a sharded `WriteToText` are saved.
+    """
 
     def __init__(self, path: str):
         super().__init__()
         self._path = path
 
     def expand(self, dead_letters):
-        return (
+        parent, name = posixpath.split(self._path)
+        directory = FileSystems.join(parent, f".{name}-{uuid.uuid4().hex}")
+        shards = (
             dead_letters
             | "ToJson" >> beam.Map(json.dumps, sort_keys=True)
-            | "Write" >> beam.io.WriteToText(self._path, shard_name_template="", num_shards=1)
+            | "WriteShards" >> beam.ParDo(_WriteShardFn(directory))
+        )
+        return (
+            dead_letters.pipeline
+            | "Start" >> beam.Impulse()
+            | "Join" >> beam.Map(_concatenate, beam.pvalue.AsList(shards), self._path, directory)
         )

@@ -5,7 +5,7 @@ config (`configs/demo.yaml`: 10 features, 8 tables, 8 devices x 2
 partitions, global batch 512): read, parse and check the records, form the
 global batches, lay every batch out with the online preprocessing, combine.
 The loop reads the files once, in order, in one process; the Beam job
-(`beam_jobs.run_fdo_job`, DirectRunner in memory, one worker) reads them in
+(`beam_jobs.run_fdo_job`, in process on the FnApiRunner, one worker) reads them in
 ranges, twice (a counting pass numbers the good records), and joins batches
 that straddle ranges. The two results are checked to be equal.
 
@@ -131,7 +131,7 @@ def main() -> None:
             {
                 "benchmark": "fdo_job",
                 "config": str(args.config.name),
-                "runner": "DirectRunner (in_memory, 1 worker)",
+                "runner": "FnApiRunner (in process, in_memory, 1 worker)",
                 "repeats": args.repeats,
                 "runs": runs,
                 "ratio_vs_plain_loop": min(r["ratio_vs_plain_loop"] for r in runs),

@@ -48,13 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", help="output directory of the stats (default: the config's dataset.dir/fdo)"
     )
     parser.add_argument(
-        "--runner", help="Beam runner (default: DirectRunner, in process); e.g. FlinkRunner"
+        "--runner", help="Beam runner (default: Beam's FnApiRunner, in process); e.g. FlinkRunner"
     )
     parser.add_argument(
-        "--direct_num_workers", type=_positive_int, help="DirectRunner: parallel workers"
+        "--direct_num_workers", type=_positive_int, help="in-process runner: parallel workers"
     )
     parser.add_argument(
-        "--direct_running_mode", choices=_RUNNING_MODES, help="DirectRunner: how workers run"
+        "--direct_running_mode", choices=_RUNNING_MODES, help="in-process runner: how workers run"
     )
     parser.add_argument("--plot", type=Path, help="also save a figure of the ids per partition")
     parser.add_argument(

@@ -113,6 +113,9 @@ def test_run_fdo_job_writes_stats_and_dead_letters(tmp_path):
     with open(result.dead_letters_path) as file:
         letters = [json.loads(line) for line in file]
     _dead_letters_match(bad)(letters)
+    assert sorted(os.listdir(out)) == sorted(
+        [os.path.basename(result.stats_path), beam_jobs.DEAD_LETTERS_NAME]
+    )
     good = sum(1 for path in files for _ in pipelines.read_records(path)) - len(bad)
     assert result.counters == {
         "records": good + len(bad),
@@ -120,6 +123,32 @@ def test_run_fdo_job_writes_stats_and_dead_letters(tmp_path):
         "tail_records": good % fdo_cases.BATCH,
         "batches": good // fdo_cases.BATCH,
     }
+
+
+@pytest.mark.parametrize(
+    "pipeline_args",
+    [[], ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]],
+)
+def test_run_fdo_job_in_process_and_in_worker_processes(synthetic, tmp_path, pipeline_args):
+    files = synthetic["arrayrecord"]
+    config = fdo_cases.job_config(processes=2, records_per_range=50)
+    expected, _ = fdo_cases.reference(files, config)
+    out = tmp_path / "fdo"
+    result = beam_jobs.run_fdo_job(config, files, str(out), pipeline_args)
+
+    assert fdo_cases.document(result.stats) == expected
+    assert result.counters == {
+        "records": SYNTHETIC_EXAMPLES,
+        "bad_records": 0,
+        "tail_records": SYNTHETIC_EXAMPLES % fdo_cases.BATCH,
+        "batches": SYNTHETIC_EXAMPLES // fdo_cases.BATCH,
+    }
+    with open(result.dead_letters_path) as file:
+        assert file.read() == ""
+    # No temporary files are left behind.
+    assert sorted(os.listdir(out)) == sorted(
+        [os.path.basename(result.stats_path), beam_jobs.DEAD_LETTERS_NAME]
+    )
 
 
 def test_run_fdo_job_without_a_whole_batch_is_an_error(tmp_path):
