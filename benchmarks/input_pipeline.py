@@ -1,28 +1,33 @@
-"""Input pipeline throughput and the input stall of a training loop, on the demo config.
+"""Input pipeline throughput and the input stall of the demo's training loop.
 
-The demo config (`configs/demo.yaml`: 10 features on 8 tables, global batch
-512, 8 virtual CPU devices x 2 partitions) over a synthetic ArrayRecord
-dataset written to a temporary directory, read through the Grain path with a
-global shuffle:
+Everything is the demo's (`configs/demo.yaml`: 10 features on 8 tables,
+global batch 512, 8 virtual CPU devices x 2 partitions, minibatching on):
+its training set is written to a temporary directory (the same records as
+`sparseflow demo` writes), the demo's FDO job runs over it, and the tables'
+limits and buffers are set from its stats as the demo's training sets them.
+Batches go through the Grain path (global shuffle, parse, preprocessing,
+device placement).
 
-  * throughput: preprocessed host batches per second with 0, 1 and 2 Grain
-    worker processes (after the first batch, so worker start-up is reported
-    apart);
-  * input stall: a jitted training-like step on the device batch (a chain of
-    matmuls on the dense features plus reductions of every layout array,
-    calibrated to `--step-ms`, a stand-in for the demo model's step) runs
-    `--steps` times fed (a) from device batches already in memory and (b) by
-    the live pipeline (`DeviceIterator` over the Grain iterator with
-    `--loop-workers` workers), in the same run. The stall fraction is the
-    share of the live loop's time not spent in steps: `1 - t_in_memory /
-    t_live`; `ratio_vs_in_memory` is live steps/s over in-memory steps/s.
+  * throughput: batches/s of the host iterator with 0, 1 and 2 Grain worker
+    processes, after the batches buffered during start-up, and the CPU time
+    per batch of this process and of the workers together (on 2 cores every
+    CPU-ms of input work is taken from the training step);
+  * input stall: the demo's training loop (`sparseflow._train`: the
+    configured SC/TC pipelined step, the loss read back every step) runs
+    `--steps` steps fed (a) from device batches already in memory and (b) by
+    the live pipeline (`DeviceIterator` over the Grain iterator, as the demo
+    builds it) with each worker count of `--loop-workers`, in the same run.
+    The stall fraction is the share of the live loop's time not explained by
+    the steps: `1 - t_in_memory / t_live`, over the steps after the first
+    `WARMUP_STEPS` of each loop (compilation, worker start-up).
+    `ratio_vs_in_memory` is live steps/s over in-memory steps/s for the
+    configured worker count (`training.workers`).
 
-Every step is waited for, as a loop that reads its loss each step would. The
-machine's core count and load average are printed with the figures: worker
-processes and the step share its cores. The last line printed is one JSON
-object.
+The machine's core count and load average are printed with the figures: the
+workers, the step and anything else running share its cores. The last line
+printed is one JSON object.
 
-    python benchmarks/input_pipeline.py [--batches 20] [--steps 30] [--step-ms 25]
+    python benchmarks/input_pipeline.py [--batches 40] [--steps 60] [--loop-workers 0,1,2]
 """
 
 from __future__ import annotations
@@ -34,164 +39,202 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
+import beam_jobs  # noqa: E402
 import pipelines  # noqa: E402
+from sparseflow import _fdo_command, _train  # noqa: E402
 from sparseflow._config import RunConfig, load_config  # noqa: E402
+from sparseflow._metrics import MetricsWriter  # noqa: E402
 
-CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "demo.yaml")
-WIDTH = 512
-DEVICE_BUFFER = 2
-WORKER_BUFFER = pipelines.GrainOptions().worker_buffer_size
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+WARMUP_STEPS = 4
+IN_MEMORY_BATCHES = 8
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def make_iterator(
-    config: RunConfig, data: list[str], workers: int, epochs: int
-) -> pipelines.HostIterator:
-    """The Grain path over `data` with the config's specs and preprocessing."""
-    preprocess = pipelines.PreprocessConfig(
-        feature_specs=config.feature_specs,
-        layout=config.synthetic.feature_layout(),
-        local_device_count=config.mesh.devices,
-        global_device_count=config.mesh.devices,
-        num_sc_per_device=config.mesh.partitions_per_device,
-        allow_id_dropping=config.preprocessing.allow_id_dropping,
-        invalid_id_policy=config.preprocessing.invalid_id_policy,
+def demo_inputs(config: RunConfig, directory: str) -> tuple[str, Path]:
+    """The demo's training set and FDO stats, written under `directory`."""
+    pipelines.write_synthetic_dataset(
+        config.synthetic,
+        directory,
+        num_examples=config.dataset.examples,
+        seed=config.seed,
+        num_shards=config.dataset.shards,
+        formats=("arrayrecord",),
     )
-    batching = pipelines.BatchingConfig(
-        global_batch_size=config.global_batch_size, num_epochs=epochs, shuffle_seed=config.seed
-    )
-    return pipelines.make_grain_iterator(
-        data,
-        batching=batching,
-        preprocess=preprocess,
-        options=pipelines.GrainOptions(worker_count=workers),
-        log_interval_s=None,
+    data = os.path.join(directory, "arrayrecord")
+    fdo_dir = Path(directory) / "fdo"
+    beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(fdo_dir))
+    return data, fdo_dir
+
+
+def with_workers(config: RunConfig, workers: int) -> RunConfig:
+    return dataclasses.replace(
+        config, training=dataclasses.replace(config.training, workers=workers)
     )
 
 
-def measure_throughput(config: RunConfig, data: list[str], workers: int, batches: int) -> dict:
-    """Host batches/s once the workers run, and the seconds to the first batch."""
+def host_iterator(run: _train._Run, data: str, workers: int) -> pipelines.HostIterator:
+    """The demo's training iterator without device placement."""
+    device_iterator = _train._iterator(
+        with_workers(run.config, workers), run.options, run.specs, run.mesh, data, training=True
+    )
+    # Placement starts with the device iterator's first next(): never here.
+    return device_iterator.host
+
+
+def children_cpu_s() -> float:
+    """CPU seconds used so far by this process's live child processes (the workers)."""
+    total = 0
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _CLOCK_TICKS
+
+
+def measure_throughput(run: _train._Run, data: str, workers: int, batches: int) -> dict:
+    """Host batches/s once the workers run, CPU ms per batch, seconds to the first batch."""
     start = time.perf_counter()
-    with make_iterator(config, data, workers, epochs=1_000) as iterator:
+    with host_iterator(run, data, workers) as iterator:
         next(iterator)
         first = time.perf_counter()
         # Batches the workers buffered while the first one was awaited come free.
-        for _ in range(workers * WORKER_BUFFER):
+        for _ in range(workers * pipelines.GrainOptions().worker_buffer_size):
             next(iterator)
-        warm = time.perf_counter()
+        wall, cpu, children = time.perf_counter(), time.process_time(), children_cpu_s()
         for _ in range(batches):
             next(iterator)
-        seconds = time.perf_counter() - warm
-    return {"batches_per_s": batches / seconds, "startup_s": first - start}
-
-
-@jax.jit
-def step(weights: jax.Array, repeats: jax.Array, batch: pipelines.DeviceBatch) -> jax.Array:
-    """A training-like step reading every array of a device batch; `repeats` matmuls long."""
-    hidden = jnp.tanh(batch.dense @ weights[: batch.dense.shape[1]])
-    hidden = jax.lax.fori_loop(0, repeats, lambda _, h: jnp.tanh(h @ weights), hidden)
-    layout = jax.tree.leaves(batch.preprocessed)
-    touched = sum(jnp.nansum(leaf.astype(jnp.float32)) * 1e-12 for leaf in layout)
-    return hidden.sum() + touched + batch.labels.sum()
-
-
-def calibrate(batch: pipelines.DeviceBatch, weights: jax.Array, step_ms: float) -> tuple:
-    """The repeat count that makes a step last about `step_ms`, and the step's seconds."""
-    repeats = 1
-    while True:
-        count, seconds = time_loop(weights, repeats, [batch] * 6, warmup=1)
-        per_step = seconds / count
-        if per_step * 1e3 >= step_ms or repeats >= 4096:
-            return repeats, per_step
-        repeats = max(repeats + 1, int(repeats * step_ms / 1e3 / max(per_step, 1e-6)))
-
-
-def time_loop(weights: jax.Array, repeats: int, batches, *, warmup: int) -> tuple[int, float]:
-    """(steps timed, seconds): `warmup` untimed steps, then the rest, each waited for."""
-    iterator = iter(batches)
-    repeats = jnp.int32(repeats)
-    for _ in range(warmup):
-        step(weights, repeats, next(iterator)).block_until_ready()
-    count, start = 0, time.perf_counter()
-    for batch in iterator:
-        step(weights, repeats, batch).block_until_ready()
-        count += 1
-    return count, time.perf_counter() - start
-
-
-def measure_stall(
-    config: RunConfig, data: list[str], mesh: Mesh, workers: int, steps: int, step_ms: float
-) -> dict:
-    with make_iterator(config, data, 0, epochs=1_000) as host:
-        in_memory = [pipelines.to_device_batch(next(host), mesh) for _ in range(min(steps, 8))]
-    replicated = NamedSharding(mesh, PartitionSpec())
-    key = jax.random.key(config.seed)
-    weights = jax.device_put(jax.random.normal(key, (WIDTH, WIDTH)) / WIDTH**0.5, replicated)
-    repeats, step_s = calibrate(in_memory[0], weights, step_ms)
-    memory_batches = [in_memory[i % len(in_memory)] for i in range(steps + 1)]
-    memory_steps, memory_s = time_loop(weights, repeats, memory_batches, warmup=1)
-    host = make_iterator(config, data, workers, epochs=1_000)
-    with pipelines.DeviceIterator(host, mesh, buffer_size=DEVICE_BUFFER) as live:
-        # The batches buffered while the workers start are consumed untimed.
-        warmup = 1 + DEVICE_BUFFER + max(workers, 1) * WORKER_BUFFER
-        live_batches = (next(live) for _ in range(steps + warmup))
-        live_steps, live_s = time_loop(weights, repeats, live_batches, warmup=warmup)
-    memory_rate, live_rate = memory_steps / memory_s, live_steps / live_s
+        seconds = time.perf_counter() - wall
+        main_ms = (time.process_time() - cpu) / batches * 1e3
+        workers_ms = (children_cpu_s() - children) / batches * 1e3
     return {
-        "step_ms": step_s * 1e3,
-        "loop_workers": workers,
-        "in_memory_steps_per_s": memory_rate,
-        "live_steps_per_s": live_rate,
-        "input_stall_fraction": max(0.0, 1 - memory_s / memory_steps * live_steps / live_s),
-        "ratio_vs_in_memory": live_rate / memory_rate,
+        "batches_per_s": batches / seconds,
+        "cpu_ms_per_batch": main_ms + workers_ms,
+        "main_cpu_ms_per_batch": main_ms,
+        "startup_s": first - start,
     }
+
+
+class _Timed(Iterator):
+    """Wraps a batch iterator; notes the time and CPU time of each batch request."""
+
+    def __init__(self, batches: Iterator):
+        self._batches = batches
+        self.asked: list[tuple[float, float]] = []
+
+    def __next__(self):
+        self.asked.append((time.perf_counter(), time.process_time()))
+        return next(self._batches)
+
+
+def time_loop(run: _train._Run, batches: Iterator, steps: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of this process) per step of the demo loop after the warm-up.
+
+    A step runs from one batch request to the next: the wait for the batch,
+    the call, and the loss read-back. The CPU time includes the step's own
+    (XLA runs in this process) and the input work done in this process.
+    """
+    first = next(batches)
+    if run.pipelined:
+        run.pipeline_state = _train._initial_pipeline_state(run, first)
+    timed = _Timed(batches)
+    _train._loop(run, timed, steps, 0, first, None, MetricsWriter(None))
+    (start, start_cpu), *rest = timed.asked[WARMUP_STEPS - 1 :]
+    end, end_cpu = rest[-1]
+    return (end - start) / len(rest), (end_cpu - start_cpu) / len(rest)
+
+
+def measure_stall(run: _train._Run, data: str, loop_workers: list[int], steps: int) -> dict:
+    """The in-memory loop's step, and the live loop's per worker count."""
+    with host_iterator(run, data, 0) as host:
+        host_batches = [next(host) for _ in range(IN_MEMORY_BATCHES)]
+    in_memory = [pipelines.to_device_batch(batch, run.mesh) for batch in host_batches]
+
+    def memory_batches(count: int) -> Iterator:
+        return (in_memory[i % len(in_memory)] for i in range(count))
+
+    time_loop(run, memory_batches(WARMUP_STEPS + 2), WARMUP_STEPS + 2)  # compiles
+    step_s, step_cpu = time_loop(run, memory_batches(steps), steps)
+    loops = {"in_memory": {"step_ms": step_s * 1e3, "cpu_ms_per_step": step_cpu * 1e3}}
+    for workers in loop_workers:
+        config = with_workers(run.config, workers)
+        with _train._iterator(
+            config, run.options, run.specs, run.mesh, data, training=True
+        ) as batches:
+            live_s, live_cpu = time_loop(run, batches, steps)
+        loops[workers] = {
+            "step_ms": live_s * 1e3,
+            "cpu_ms_per_step": live_cpu * 1e3,
+            "input_stall_fraction": max(0.0, 1 - step_s / live_s),
+        }
+        print(f"loop fed live with {workers} workers: {loops[workers]}", flush=True)
+    return loops
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=CONFIG)
-    parser.add_argument("--examples", type=int, default=16_384)
-    parser.add_argument("--batches", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--step-ms", type=float, default=25.0)
-    parser.add_argument("--loop-workers", type=int, default=2)
+    parser.add_argument("--config", default=str(CONFIG))
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--throughput-workers", default="0,1,2")
+    parser.add_argument("--loop-workers", default="0,1,2")
     args = parser.parse_args()
-
+    if args.steps < WARMUP_STEPS + 2:
+        parser.error(f"--steps must be at least {WARMUP_STEPS + 2} (warm-up steps + 2).")
     config = load_config(args.config)
-    mesh = Mesh(np.array(jax.devices()[: config.mesh.devices]), ("x",))
     with tempfile.TemporaryDirectory() as directory:
-        files = pipelines.write_synthetic_dataset(
-            config.synthetic,
-            directory,
-            num_examples=args.examples,
-            seed=config.seed,
-            formats=("arrayrecord",),
-        )["arrayrecord"]
+        data, fdo_dir = demo_inputs(config, directory)
+        options = _train.TrainOptions(data=data, fdo_dir=fdo_dir, progress=False)
+        run = _train._Run(config, options, _train.make_mesh())
         throughput = {}
-        for workers in (0, 1, 2):
-            throughput[workers] = measure_throughput(config, files, workers, args.batches)
+        for workers in _counts(args.throughput_workers):
+            throughput[workers] = measure_throughput(run, data, workers, args.batches)
             print(f"{workers} workers: {throughput[workers]}", flush=True)
-        stall = measure_stall(config, files, mesh, args.loop_workers, args.steps, args.step_ms)
+        loops = measure_stall(run, data, _counts(args.loop_workers), args.steps)
+    in_memory = loops.pop("in_memory")
+    configured = config.training.workers
+    headline = loops.get(configured, next(iter(loops.values())))
     result = {
         "benchmark": "input_pipeline",
         "config": os.path.relpath(args.config),
         "global_batch": config.global_batch_size,
         "devices": config.mesh.devices,
-        "host_batches_per_s": {w: round(t["batches_per_s"], 2) for w, t in throughput.items()},
-        "worker_startup_s": {w: round(t["startup_s"], 1) for w, t in throughput.items()},
-        **{key: round(value, 3) for key, value in stall.items()},
+        "limits": "fdo",
+        "host_batches_per_s": _rounded(throughput, "batches_per_s", 1),
+        "input_cpu_ms_per_batch": _rounded(throughput, "cpu_ms_per_batch", 2),
+        "worker_startup_s": _rounded(throughput, "startup_s", 1),
+        "pipelined": run.pipelined,
+        "in_memory_step_ms": round(in_memory["step_ms"], 1),
+        "live_step_ms": _rounded(loops, "step_ms", 1),
+        "in_memory_cpu_ms_per_step": round(in_memory["cpu_ms_per_step"], 1),
+        "live_cpu_ms_per_step": _rounded(loops, "cpu_ms_per_step", 1),
+        "input_stall_fraction_by_workers": _rounded(loops, "input_stall_fraction", 3),
+        "configured_workers": configured,
+        "input_stall_fraction": round(headline["input_stall_fraction"], 3),
+        "ratio_vs_in_memory": round(in_memory["step_ms"] / headline["step_ms"], 3),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))
+
+
+def _counts(text: str) -> list[int]:
+    return [int(count) for count in text.split(",")]
+
+
+def _rounded(figures: dict, key: str, digits: int) -> dict:
+    return {workers: round(values[key], digits) for workers, values in figures.items()}
 
 
 if __name__ == "__main__":

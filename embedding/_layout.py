@@ -17,6 +17,7 @@ from embedding._minibatch import add_minibatch_to_keys, count_buckets, split_mas
 
 INT32_MAX = np.iinfo(np.int32).max
 ALIGNMENT = 8
+_BUFFER_ALIGNMENT = 64
 _NO_GAINS = np.ones(1, np.float32)
 
 
@@ -97,6 +98,24 @@ def _bits(max_value: int) -> int:
 
 def _round_up8(x: np.ndarray) -> np.ndarray:
     return (x + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+
+
+def _aligned_empty(size: int, dtype) -> np.ndarray:
+    """`dtype[size]` (uninitialized) starting on a 64-byte boundary.
+
+    On CPU devices, placing a host array whose device slices start on such
+    boundaries aliases its memory instead of copying it.
+    """
+    nbytes = size * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + _BUFFER_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _BUFFER_ALIGNMENT
+    return raw[start : start + nbytes].view(dtype)
+
+
+def _aligned_full(size: int, value, dtype) -> np.ndarray:
+    out = _aligned_empty(size, dtype)
+    out.fill(value)
+    return out
 
 
 def _where(geometry: LayoutGeometry, group: int, minibatched: bool) -> str:
@@ -311,9 +330,9 @@ def lay_out_sorted(
     mb_bits = _log2(g.max_minibatches)
     packed = stack.packed if minibatches is None else _with_minibatches(stack, g, minibatches)
     size = g.local_devices * g.coo_size
-    embedding_ids = np.full(size, INT32_MAX, np.int32)
-    sample_ids = np.full(size, INT32_MAX, np.int32)
-    out_gains = np.full(size, np.nan, np.float32)
+    embedding_ids = _aligned_full(size, INT32_MAX, np.int32)
+    sample_ids = _aligned_full(size, INT32_MAX, np.int32)
+    out_gains = _aligned_full(size, np.nan, np.float32)
     counts, unique_counts, kept = scan_sorted_entries(
         packed,
         stack.index_bits,
@@ -356,13 +375,17 @@ def _row_pointers(kept: np.ndarray, geometry: LayoutGeometry) -> np.ndarray:
     used ones are empty segments at the slot's end.
     """
     slots, used, n = kept.shape
-    full = np.zeros((slots, geometry.max_minibatches, n), np.int64)
-    full[:, :used] = kept
-    aligned = _round_up8(full).reshape(slots, -1)
+    counts = kept.reshape(slots, -1).astype(np.int64)
+    aligned = _round_up8(counts)
     ends = np.cumsum(aligned, axis=1)
-    pointers = np.empty((slots, geometry.max_minibatches, geometry.row_pointer_width), np.int32)
-    pointers[:, :, :n] = (ends - aligned + full.reshape(slots, -1)).reshape(full.shape)
-    pointers[:, :, n:] = ends.reshape(full.shape)[:, :, -1:]
+    width = geometry.max_minibatches * geometry.row_pointer_width
+    pointers = _aligned_full(slots * width, 0, np.int32).reshape(
+        slots, geometry.max_minibatches, -1
+    )
+    pointers[:, :used, :n] = (ends - aligned + counts).reshape(slots, used, n)
+    pointers[:, :used, n:] = ends.reshape(slots, used, n)[:, :, -1:]
+    # Unused minibatches: empty segments, every pointer at the slot's end.
+    pointers[:, used:] = ends[:, -1:, None]
     return pointers.reshape(-1)
 
 

@@ -40,6 +40,8 @@ from embedding._stacking import (
 )
 
 _log = logging.getLogger(__name__)
+# Rows per host batch (over all features) from which stacks are laid out on threads.
+_THREADED_MIN_ROWS = 16_384
 
 
 class SparseDenseMatmulInput(NamedTuple):
@@ -138,15 +140,23 @@ def coo_buffer_size_per_device(
     The suggested size rounded up to a multiple of `8 * S`, or else the
     theoretical maximum `roundup8(max_ids) * S * N` (times 64 with
     minibatching: every minibatch may fill its partitions up to the limit).
-    With minibatching, a suggested size (which FDO measures for one pass)
-    gets room for the padding the extra segments add: each of up to 64
-    minibatches pads each partition's segment by at most 7 entries.
+
+    With minibatching, a suggested size (which FDO measures for one pass, so
+    it bounds a slot's entries `E`) gets room for the padding the extra
+    segments add. Each non-empty (minibatch, partition) segment pads by at
+    most 7 entries, and there are at most `min(64 * N, E)` of them, so a slot
+    needs at most `E + 7 * min(64 * N, E)` entries. A batch whose entries
+    exceed the suggested size breaches the buffer as it would in one pass.
+    This bound, rather than `7 * 64 * N` per slot, keeps the buffers of
+    small batches small: every stage after the layout (pickling, transfer,
+    lookup, update) scales with the buffer.
     """
     if suggested_coo_buffer_size_per_device is not None:
-        padding = 0
+        per_slot = round_up(suggested_coo_buffer_size_per_device, 8 * num_sc_per_device)
+        per_slot //= num_sc_per_device
         if max_minibatches > 1:
-            padding = 8 * num_partitions * max_minibatches * num_sc_per_device
-        return round_up(suggested_coo_buffer_size_per_device + padding, 8 * num_sc_per_device)
+            per_slot += round_up(7 * min(max_minibatches * num_partitions, per_slot), 8)
+        return per_slot * num_sc_per_device
     return round_up(max_ids_per_partition, 8) * num_sc_per_device * num_partitions * max_minibatches
 
 
@@ -285,7 +295,8 @@ def preprocess_sparse_dense_matmul_input(
       features: pytree like `feature_specs`; each leaf the feature's host-local
         ids: `int[rows, valency]`, a 1-D object array of 1-D int arrays, or
         `RaggedIds`. `rows = global_batch * local / global devices`.
-      features_weights: same structure and row lengths, or None (weight 1).
+      features_weights: same structure and row lengths, or None (weight 1);
+        a leaf may be None too (that feature's weights are 1).
       feature_specs: pytree of `FeatureSpec` (prepared or not).
       local_device_count: L, devices of this host (`mesh.local_mesh.size`).
       global_device_count: G, devices of all hosts (`mesh.size`).
@@ -348,9 +359,8 @@ def preprocess_sparse_dense_matmul_input(
         )
         return stack, invalid, split
 
-    # Stacks are independent and their heavy steps (the compiled loops, sorts,
-    # large numpy ops) release the GIL, so threads use every core.
-    sorted_stacks = list(_executor().map(sort, plans))
+    map_stacks = _stack_mapper(plans)
+    sorted_stacks = list(map_stacks(sort, plans))
     minibatches = None
     if enable_minibatching:
         minibatches = _agree_on_minibatches(
@@ -368,9 +378,7 @@ def preprocess_sparse_dense_matmul_input(
             minibatches=minibatches,
         )
 
-    layouts = dict(
-        zip([p.name for p in plans], _executor().map(lay_out, zip(plans, sorted_stacks)))
-    )
+    layouts = dict(zip([p.name for p in plans], map_stacks(lay_out, zip(plans, sorted_stacks))))
     invalid = {plan.name: count for plan, (_, count, _) in zip(plans, sorted_stacks)}
     num_minibatches = 1 if minibatches is None else int(minibatches[-1]) + 1
     return _assemble(layouts, invalid, local_device_count, has_leading_dimension, num_minibatches)
@@ -400,6 +408,18 @@ def _agree_on_minibatches(
     if interface is not None:
         mask = int(interface.all_reduce_uint64(2 * batch_number + 1, mask))
     return minibatch_of_bucket(mask)
+
+
+def _stack_mapper(plans: tuple[_StackPlan, ...]):
+    """`map` over the stacks: on threads for large batches, in this thread for small ones.
+
+    Stacks are independent and their heavy steps (the compiled loops, sorts,
+    large numpy ops) release the GIL, so threads use every core. Below
+    `_THREADED_MIN_ROWS` rows the work per stack is a few hundred
+    microseconds, about what handing it to a thread and back costs.
+    """
+    rows = sum(feature.local_rows for plan in plans for feature in plan.features)
+    return _executor().map if rows >= _THREADED_MIN_ROWS else map
 
 
 @functools.cache

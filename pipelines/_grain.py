@@ -5,9 +5,9 @@ The dataset is a Grain `MapDataset` over this host's batch numbers
 
     MapDataset.range(num_batches)
       .map(batch b -> read this host's rows of global batch b from the
-           ArrayRecordDataSource, in the epoch's order (Grain's global
-           shuffle, `MapDataset.range(R).shuffle(seed)`), parse them,
-           preprocess them)
+           ArrayRecord files (`_array_record.py`), in the epoch's order
+           (Grain's global shuffle, `MapDataset.range(R).shuffle(seed)`,
+           computed per batch by `_shuffle.py`), parse them, preprocess them)
       .to_iter_dataset(read threads)
       .mp_prefetch(worker processes)
 
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 
 import grain
 import numpy as np
 from absl import flags
 
 from parallel import allreduce
-from pipelines._batching import BatchingConfig, BatchPlan, FileOrder, RecordFiles
+from pipelines._array_record import ArrayRecordReader
+from pipelines._batching import BatchingConfig, BatchPlan, FileOrder
 from pipelines._host_iterator import HostIterator
 from pipelines._preprocess_stage import (
     HostBatch,
@@ -41,7 +41,8 @@ from pipelines._preprocess_stage import (
     PreprocessStage,
     check_batch_sizes,
 )
-from pipelines._records import PathOrPaths, RecordFormat, list_record_files, record_format
+from pipelines._records import PathOrPaths, list_record_files
+from pipelines._shuffle import grain_epoch_order
 from pipelines._stats import PipelineStats
 
 _NO_SHARED_MEMORY = 2**62
@@ -88,35 +89,10 @@ class GrainShuffle:
 
     def __init__(self, num_records: int, seed: int):
         self._num_records = num_records
-        self._order = grain.MapDataset.range(num_records).shuffle(seed=seed)
+        self._seed = seed
 
     def __call__(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        offset = epoch * self._num_records
-        return np.fromiter(
-            (self._order[offset + int(p)] for p in positions), np.int64, count=len(positions)
-        )
-
-
-class ArrayRecordReader:
-    """Random access to ArrayRecord files through Grain's `ArrayRecordDataSource`."""
-
-    def __init__(self, paths: list[str]):
-        for path in paths:
-            if record_format(path) is not RecordFormat.ARRAY_RECORD:
-                raise ValueError(
-                    f"The Grain path reads ArrayRecord files (*.array_record); {path} is not "
-                    "one. Read TFRecord files with make_tfdata_iterator."
-                )
-        self._source = grain.sources.ArrayRecordDataSource(paths)
-        counts = tuple(len(grain.sources.ArrayRecordDataSource([path])) for path in paths)
-        self._files = RecordFiles(tuple(paths), counts)
-
-    @property
-    def files(self) -> RecordFiles:
-        return self._files
-
-    def read(self, record_indices: Sequence[int]) -> list[bytes]:
-        return list(self._source.__getitems__(list(record_indices)))
+        return grain_epoch_order(self._num_records, self._seed, epoch, positions)
 
 
 def _init_worker(worker_index: int, worker_count: int) -> None:

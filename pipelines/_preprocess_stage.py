@@ -380,16 +380,9 @@ def _where(batch_number: int, plan: BatchPlan) -> str:
 def _weights(parsed: ParsedBatch, names: list[str]):
     """The weights pytree: None when no feature is weighted.
 
-    The weights must mirror the features exactly, so once one feature is
-    weighted every other one gets weight 1 per id.
+    An unweighted feature's leaf is None (weight 1 per id), which spares
+    building and checking an array of ones per feature and batch.
     """
     if not any(name in parsed.weights for name in names):
         return None
-    return {
-        name: parsed.weights[name]
-        if name in parsed.weights
-        else embedding.RaggedIds(
-            np.ones(parsed.ids[name].values.size, np.float32), parsed.ids[name].row_splits
-        )
-        for name in names
-    }
+    return {name: parsed.weights.get(name) for name in names}

@@ -23,7 +23,9 @@ from array_record.python import array_record_module
 _log = logging.getLogger(__name__)
 
 # Each record its own chunk: a random read decodes one record, not a group.
-_ARRAY_RECORD_WRITER_OPTIONS = "group_size:1"
+# Uncompressed: a chunk of one record compresses by a few percent only, and
+# decompressing it (zstd, the default) triples the cost of a random read.
+_ARRAY_RECORD_WRITER_OPTIONS = "group_size:1,uncompressed"
 _READ_BATCH = 1024
 # TF wraps an op's message in the name of the function that ran it and the op.
 _TF_NOISE = re.compile(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\].*$", re.DOTALL)
@@ -44,6 +46,7 @@ class RecordFormat(str, enum.Enum):
 
 
 _EXTENSIONS = {RecordFormat.ARRAY_RECORD: ".array_record", RecordFormat.TFRECORD: ".tfrecord"}
+_FORMAT_NAMES = {RecordFormat.ARRAY_RECORD: "ArrayRecord", RecordFormat.TFRECORD: "TFRecord"}
 
 
 def record_format(path: str | os.PathLike) -> RecordFormat:
@@ -54,6 +57,20 @@ def record_format(path: str | os.PathLike) -> RecordFormat:
             return fmt
     known = ", ".join(f"*{fmt.extension}" for fmt in RecordFormat)
     raise ValueError(f"{path!r} is not a record file: its name must end in one of {known}.")
+
+
+def require_record_format(paths: Sequence[str], fmt: RecordFormat, reader: str, other: str) -> None:
+    """Raises ValueError naming the first of `paths` that is not a `fmt` file.
+
+    `reader` names the path reading `fmt` files, `other` the function that
+    reads the rest.
+    """
+    for path in paths:
+        if record_format(path) is not fmt:
+            raise ValueError(
+                f"The {reader} path reads {_FORMAT_NAMES[fmt]} files "
+                f"(*{fmt.extension}); {path} is not one. Read it with {other}."
+            )
 
 
 def list_record_files(data: PathOrPaths) -> list[str]:

@@ -197,9 +197,7 @@ def write_synthetic_dataset(
     }
     _prepare_directories(out_dir, paths)
     start = time.perf_counter()
-    _write_shards(
-        _example_records(dataset, num_examples, seed, held_out), num_examples, paths
-    )
+    _write_shards(_example_records(dataset, num_examples, seed, held_out), num_examples, paths)
     _write_manifest(out_dir, dataset, num_examples, seed, num_shards, paths, held_out)
     seconds = time.perf_counter() - start
     _log.info(

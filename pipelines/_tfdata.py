@@ -38,7 +38,7 @@ from pipelines._records import (
     PathOrPaths,
     RecordFormat,
     list_record_files,
-    record_format,
+    require_record_format,
     tf_error_reason,
 )
 from pipelines._stats import PipelineStats
@@ -51,12 +51,7 @@ class TFRecordReader:
     """Reads TFRecord records by dataset index (by scanning: for fill-ins only)."""
 
     def __init__(self, paths: list[str]):
-        for path in paths:
-            if record_format(path) is not RecordFormat.TFRECORD:
-                raise ValueError(
-                    f"The tf.data path reads TFRecord files (*.tfrecord); {path} is not one. "
-                    "Read ArrayRecord files with make_grain_iterator."
-                )
+        require_record_format(paths, RecordFormat.TFRECORD, "tf.data", "make_grain_iterator")
         counts = tuple(_count_records(path) for path in paths)
         self._files = RecordFiles(tuple(paths), counts)
 

@@ -85,7 +85,7 @@ def test_bucket_hash_is_splitmix64():
         assert _minibatch.bucket_of(column) == splitmix64(column) & 63
 
 
-def _specs(batch, vocab, max_ids, max_unique, combiner="sum"):
+def _specs(batch, vocab, max_ids, max_unique, combiner="sum", buffer=None):
     tables = [
         embedding.TableSpec(
             name=f"t{t}",
@@ -96,6 +96,7 @@ def _specs(batch, vocab, max_ids, max_unique, combiner="sum"):
             combiner=combiner,
             max_ids_per_partition=max_ids,
             max_unique_ids_per_partition=max_unique,
+            suggested_coo_buffer_size_per_device=buffer,
         )
         for t in range(2)
     ]
@@ -190,6 +191,51 @@ def test_minibatched_layout_equals_single_pass(local, global_, slots):
             per_group.setdefault((slot, mb, p), []).append(local_id)
         for ids in per_group.values():
             assert len(ids) <= limit_ids and len(set(ids)) <= limit_unique
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_pass_buffer_size_holds_any_minibatched_layout(seed):
+    """A buffer sized for one pass (as FDO suggests it) has room for the
+    padding of every minibatch: limits far below a partition's ids force
+    many minibatches, so many small padded segments."""
+    rng = np.random.default_rng(seed)
+    slots, batch = 2, 64
+    features = {}
+    for name in "abc":
+        lengths = rng.integers(0, 5, batch)
+        values = rng.integers(0, 1 << 20, lengths.sum())
+        features[name] = embedding.RaggedIds(values, np.concatenate([[0], np.cumsum(lengths)]))
+    vocab = 1 << 20
+    _, stats = embedding.preprocess_sparse_dense_matmul_input(
+        features, None, _specs(batch, vocab, vocab, vocab), 1, 1, num_sc_per_device=slots
+    )
+    # The most entries any slot needs in one pass, as a per-device buffer.
+    buffer = int(max(stats.required_buffer_size_per_sc[t].max() for t in ("t0", "t1"))) * slots
+    out, split_stats = embedding.preprocess_sparse_dense_matmul_input(
+        features,
+        None,
+        _specs(batch, vocab, 8, 8, buffer=buffer),
+        1,
+        1,
+        num_sc_per_device=slots,
+        enable_minibatching=True,
+    )
+    assert int(out.num_minibatches[0]) > 8
+    for table in ("t0", "t1"):
+        assert split_stats.id_drop_counters[table] == 0
+        reference = _entries(
+            embedding.preprocess_sparse_dense_matmul_input(
+                features, None, _specs(batch, vocab, vocab, vocab), 1, 1, num_sc_per_device=slots
+            )[0],
+            table,
+            1,
+            slots,
+            slots,
+            minibatched=False,
+        )
+        got = _entries(out, table, 1, slots, slots, minibatched=True)
+        strip = lambda rows: sorted((s, p, i, smp, round(g, 5)) for s, _, p, i, smp, g in rows)  # noqa: E731
+        assert strip(got) == strip(reference)
 
 
 def test_minibatching_not_needed_keeps_one_pass():
