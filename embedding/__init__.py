@@ -23,7 +23,7 @@ from embedding._fdo import (
 )
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError
-from embedding._lookup import sparse_dense_matmul
+from embedding._lookup import LayoutIndex, sparse_dense_matmul
 from embedding._optimizers import (
     AdagradOptimizerSpec,
     AdamOptimizerSpec,
@@ -73,6 +73,7 @@ __all__ = [
     "FeatureIdTransformation",
     "FeatureSpec",
     "InvalidIdPolicy",
+    "LayoutIndex",
     "LimitBreachError",
     "OnMismatch",
     "OptimizerSpec",

@@ -141,6 +141,25 @@ class Entries(NamedTuple):
     gains: jax.Array
 
 
+class LayoutIndex(NamedTuple):
+    """Per stack, where the lookup found each layout entry's segment.
+
+    Finding the segments (a scatter, a prefix count and a gather over every
+    entry) is the costly part of reading a layout; the forward returns them
+    so that the update of the same batch need not find them again. That
+    matters when the two run in different programs or on different batches
+    in one program (SC/TC pipelining), where XLA cannot share the work.
+
+    Attributes:
+      segment: `int32[G * S, C]` by stack name: the entry's `minibatch * N
+        + partition`.
+      valid: `bool[G * S, C]` by stack name: false for padding.
+    """
+
+    segment: dict[str, jax.Array]
+    valid: dict[str, jax.Array]
+
+
 class Routing(NamedTuple):
     """Where one minibatch's entries of one device go (inside `shard_map`).
 
@@ -369,8 +388,8 @@ def _slot_index(g: StackGeometry) -> jax.Array:
     return jnp.arange(g.slots, dtype=jnp.int32)[:, None]
 
 
-def decode(layout: LayoutArrays, g: StackGeometry) -> Entries:
-    """Finds every entry's segment (one device's layout).
+def find_segments(layout: LayoutArrays, g: StackGeometry) -> tuple[jax.Array, jax.Array]:
+    """`(segment: int32[S, C], valid: bool[S, C])` of one device's layout.
 
     Args:
       layout: this device's arrays: row pointers `int32[S * K * W]`, ids,
@@ -387,6 +406,21 @@ def decode(layout: LayoutArrays, g: StackGeometry) -> Entries:
     marks = jnp.zeros((s, c + 1), jnp.int32).at[slot, starts].add(1)
     segment = running_count(marks)[:, :c]
     valid = jnp.arange(c) < jnp.take_along_axis(ends, segment, axis=1)
+    return segment, valid
+
+
+def decode(
+    layout: LayoutArrays, g: StackGeometry, segments: tuple[jax.Array, jax.Array] | None = None
+) -> Entries:
+    """Every entry of one device's layout with its segment.
+
+    Args:
+      layout: this device's arrays (see `find_segments`).
+      g: the stack's geometry.
+      segments: `find_segments(layout, g)` if already known.
+    """
+    s, c = g.slots, g.capacity
+    segment, valid = find_segments(layout, g) if segments is None else segments
     return Entries(
         segment=segment,
         valid=valid,
@@ -452,7 +486,7 @@ def _lookup_minibatch(
 
 def lookup_stack(
     layout: LayoutArrays, table: jax.Array, *, geometry: StackGeometry, axis: str
-) -> tuple[jax.Array, ...]:
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
     """One device's part of one stack's lookup (inside `shard_map`).
 
     Args:
@@ -462,29 +496,36 @@ def lookup_stack(
       axis: the mesh axis.
 
     Returns:
-      Per feature of the stack, `float32[S * samples_per_slot, dim]`.
+      `(activations, (segment, valid))`: per feature of the stack,
+      `float32[S * samples_per_slot, dim]`; and the layout's segments as
+      `find_segments` gives them.
     """
     g = geometry
-    entries = decode(layout, g)
+    segments = find_segments(layout, g)
+    entries = decode(layout, g, segments)
     combined = over_minibatches(
         g,
         layout.num_minibatches,
         lambda k, total: total + _lookup_minibatch(entries, table, g, axis, k),
         jax.lax.pcast(jnp.zeros((g.slots, g.samples, g.dim), table.dtype), axis, to="varying"),
     )
-    return tuple(
+    activations = tuple(
         combined[:, f.sample_offset : f.sample_offset + f.samples_per_slot, : f.dim].reshape(
             -1, f.dim
         )
         for f in g.features
     )
+    return activations, segments
 
 
 @functools.partial(jax.jit, static_argnames=("geometries", "mesh"))
-def _forward(layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mesh) -> list:
+def _forward(
+    layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mesh
+) -> tuple[list, LayoutIndex]:
     axis = mesh_axis(mesh)
     spec = PartitionSpec(axis)
     activations = [None] * sum(len(g.features) for g in geometries)
+    index = LayoutIndex({}, {})
     for g in geometries:
         lookup = jax.shard_map(
             functools.partial(lookup_stack, geometry=g, axis=axis),
@@ -492,9 +533,12 @@ def _forward(layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mes
             in_specs=(spec, spec),
             out_specs=spec,
         )
-        for feature, values in zip(g.features, lookup(layout[g.name], tables[g.name])):
-            activations[feature.index] = values
-    return activations
+        values, (index.segment[g.name], index.valid[g.name]) = lookup(
+            layout[g.name], tables[g.name]
+        )
+        for feature, value in zip(g.features, values):
+            activations[feature.index] = value
+    return activations, index
 
 
 def sparse_dense_matmul(
@@ -504,7 +548,8 @@ def sparse_dense_matmul(
     mesh: Mesh,
     *,
     enable_minibatching: bool = False,
-) -> Nested:
+    return_layout_index: bool = False,
+) -> Nested | tuple[Nested, LayoutIndex]:
     """Looks up and combines the embeddings of one batch on sharded tables.
 
     Row `(d * S + s) * n + r` of a feature's output is sample `r` of slot `s`
@@ -526,10 +571,13 @@ def sparse_dense_matmul(
       mesh: 1-D mesh over all devices.
       enable_minibatching: as passed to the preprocessing (the row pointers
         then have room for 64 minibatches).
+      return_layout_index: also return the `LayoutIndex` found while reading
+        the layout, for `apply_gradients` of the same input.
 
     Returns:
       The pytree of `feature_specs` with, per feature, `float32[global_batch,
-      embedding_dim]` sharded by rows over `mesh`.
+      embedding_dim]` sharded by rows over `mesh`; with `return_layout_index`,
+      a pair of it and the `LayoutIndex`.
 
     Raises:
       ValueError: the input, variables and specs disagree.
@@ -538,5 +586,6 @@ def sparse_dense_matmul(
         preprocessed_input, embedding_variables, feature_specs, mesh, enable_minibatching
     )
     tables = {name: v.table for name, v in embedding_variables.items()}
-    activations = _forward(call.layout, tables, geometries=call.geometries, mesh=mesh)
-    return jax.tree.unflatten(call.treedef, activations)
+    activations, index = _forward(call.layout, tables, geometries=call.geometries, mesh=mesh)
+    activations = jax.tree.unflatten(call.treedef, activations)
+    return (activations, index) if return_layout_index else activations

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, PartitionSpec
 from embedding._lookup import (
     Entries,
     LayoutArrays,
+    LayoutIndex,
     StackGeometry,
     decode,
     exchange,
@@ -125,6 +126,7 @@ def update_stack(
     variables: EmbeddingVariables,
     learning_rate: jax.Array,
     step: jax.Array,
+    segments: tuple[jax.Array, jax.Array] | None,
     *,
     geometry: StackGeometry,
     axis: str,
@@ -137,6 +139,8 @@ def update_stack(
       variables: this device's shards, `float32[S * R, D]` each.
       learning_rate: scalar.
       step: scalar int32.
+      segments: the layout's `(segment, valid)` from the forward, or None to
+        find them here.
       geometry: the stack's geometry.
       axis: the mesh axis.
 
@@ -144,7 +148,7 @@ def update_stack(
       The updated shards.
     """
     g = geometry
-    entries = decode(layout, g)
+    entries = decode(layout, g, segments)
     entry_grads = _entry_gradients(grads, entries, g)
     return over_minibatches(
         g,
@@ -157,17 +161,27 @@ def update_stack(
 
 
 @functools.partial(jax.jit, static_argnames=("geometries", "mesh"), donate_argnames=("variables",))
-def _apply(grads, layout, variables, step, *, geometries: tuple[StackGeometry, ...], mesh: Mesh):
+def _apply(
+    grads,
+    layout,
+    variables,
+    step,
+    index: LayoutIndex | None,
+    *,
+    geometries: tuple[StackGeometry, ...],
+    mesh: Mesh,
+):
     axis = mesh_axis(mesh)
     spec, replicated = PartitionSpec(axis), PartitionSpec()
     step = jnp.asarray(step, jnp.int32)
     updated = {}
     for g in geometries:
         learning_rate = jnp.asarray(g.optimizer.get_learning_rate(step), jnp.float32)
+        segments = None if index is None else (index.segment[g.name], index.valid[g.name])
         update = jax.shard_map(
             functools.partial(update_stack, geometry=g, axis=axis),
             mesh=mesh,
-            in_specs=(spec, spec, spec, replicated, replicated),
+            in_specs=(spec, spec, spec, replicated, replicated, spec),
             out_specs=spec,
         )
         updated[g.name] = update(
@@ -176,8 +190,30 @@ def _apply(grads, layout, variables, step, *, geometries: tuple[StackGeometry, .
             variables[g.name],
             learning_rate,
             step,
+            segments,
         )
     return updated
+
+
+def _checked_index(index: Any, call) -> LayoutIndex | None:
+    if index is None:
+        return None
+    if not isinstance(index, LayoutIndex):
+        raise TypeError(
+            "layout_index must be the LayoutIndex sparse_dense_matmul returns with "
+            f"return_layout_index=True, got {type(index).__name__}."
+        )
+    for g in call.geometries:
+        for field in LayoutIndex._fields:
+            value = getattr(index, field).get(g.name)
+            expected = (g.devices * g.slots, g.capacity)
+            if value is None or tuple(value.shape) != expected:
+                raise ValueError(
+                    f"Stack {g.name!r}: layout_index.{field} has shape "
+                    f"{None if value is None else list(value.shape)}, expected "
+                    f"{list(expected)}; pass the index the forward of this input returned."
+                )
+    return index
 
 
 def _checked_gradients(activation_grads: Nested, call) -> list:
@@ -205,6 +241,7 @@ def apply_gradients(
     step: Any,
     *,
     enable_minibatching: bool = False,
+    layout_index: LayoutIndex | None = None,
 ) -> dict[str, EmbeddingVariables]:
     """Backpropagates activation gradients into the tables and updates them.
 
@@ -229,6 +266,9 @@ def apply_gradients(
         learning-rate schedules and Adam's bias correction.
       enable_minibatching: as passed to the preprocessing; the minibatches
         are applied one after the other.
+      layout_index: what `sparse_dense_matmul(..., return_layout_index=True)`
+        returned for the same input, to skip reading the layout again; None
+        reads it here (the result is the same).
 
     Returns:
       The updated `EmbeddingVariables` by stack name.
@@ -241,5 +281,11 @@ def apply_gradients(
     )
     grads = _checked_gradients(activation_grads, call)
     return _apply(
-        grads, call.layout, dict(embedding_variables), step, geometries=call.geometries, mesh=mesh
+        grads,
+        call.layout,
+        dict(embedding_variables),
+        step,
+        _checked_index(layout_index, call),
+        geometries=call.geometries,
+        mesh=mesh,
     )

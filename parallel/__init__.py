@@ -16,6 +16,7 @@ from parallel._sc_tc import (
     get_pipeline_state_sharding,
     get_pipeline_train_steps,
     is_output_valid,
+    jit_step,
     step,
     unstacked_tc_function,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "get_pipeline_state_sharding",
     "get_pipeline_train_steps",
     "is_output_valid",
+    "jit_step",
     "pipeshard",
     "step",
     "unstacked_tc_function",

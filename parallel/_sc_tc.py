@@ -27,21 +27,23 @@ batch, such as the training step for `embedding.apply_gradients`' learning
 rate, travels in the batch's sparse inputs or through `sc_fwd_aux` and
 `tc_aux`.
 
-A training loop (stage functions and `fake_tc_step` static under `jax.jit`):
+A training loop (`jit_step` compiles `step` for the stages and hands on the
+state's pass-through leaves outside the program, see its docstring):
 
-    jit_step = jax.jit(
-        parallel.step,
-        static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step"),
-        donate_argnames=("tc_train_state", "embedding_variables", "pipeline_state"),
-    )
+    run_step = parallel.jit_step(sc_fwd, tc, sc_bwd)
     state = parallel.get_initial_state(batch(0), train_state, tables, sc_fwd, tc)
     for t in range(parallel.get_pipeline_train_steps(n)):
         valid = parallel.is_output_valid(t, n)
-        out, _, train_state, tables, state = jit_step(
+        out, _, train_state, tables, state = run_step(
             batch(t) if t < n else dummy, train_state, tables, state,
-            sc_fwd, tc, sc_bwd, fake_tc_step=not valid)
+            fake_tc_step=not valid)
         if valid:
             log(out)  # batch t - 1
+
+`step` itself is jit-compatible too, with the stage functions and
+`fake_tc_step` static: `jax.jit(step, static_argnames=("sc_fwd_function",
+"tc_function", "sc_bwd_function", "fake_tc_step"))`, e.g. to put it inside a
+larger program.
 
 Recommended ordering. If the SC forward stage returns activations in its
 stacked layout (one array per stacked table), unstack them as the first
@@ -169,6 +171,7 @@ def get_initial_state(
     tc_function: TcStageFun,
     dense_input_sharding: jax.sharding.Sharding | None = None,
     sparse_input_sharding: jax.sharding.Sharding | None = None,
+    aux_sharding: jax.sharding.Sharding | None = None,
 ) -> PipelineState:
     """The pipeline state before call 0: zeros shaped like what the stages pass on.
 
@@ -187,6 +190,10 @@ def get_initial_state(
         at least one dimension); default: the default device.
       sparse_input_sharding: places the sparse-input, activation and gradient
         placeholders the same way.
+      aux_sharding: places the SC forward and TC aux placeholders the same
+        way. Give it when the aux holds per-batch arrays that the stages
+        produce sharded (e.g. `embedding.LayoutIndex`, by rows): a state
+        placed otherwise makes every step reshard it.
 
     Returns:
       The initial `PipelineState` (`pipeline_step` 0).
@@ -205,7 +212,7 @@ def get_initial_state(
         embedding_variables,
     )
     activations = _zeros(activations, sparse_input_sharding)
-    sc_fwd_aux = _zeros(sc_fwd_aux, None)
+    sc_fwd_aux = _zeros(sc_fwd_aux, aux_sharding)
     tc = jax.eval_shape(
         lambda *args: _run_tc(tc_function, *args), activations, dense, tc_train_state, sc_fwd_aux
     )
@@ -221,10 +228,10 @@ def get_initial_state(
         step_before_last_step_inputs=StepBeforeLastStepInput(
             sparse_inputs=_zeros(sparse, sparse_input_sharding),
             embedding_gradients=_zeros(tc.embedding_gradients, sparse_input_sharding),
-            tc_aux=_zeros(tc.tc_aux, None),
+            tc_aux=_zeros(tc.tc_aux, aux_sharding),
         ),
         placeholder_output=_zeros(tc.output, None),
-        placeholder_tc_aux=_zeros(tc.tc_aux, None),
+        placeholder_tc_aux=_zeros(tc.tc_aux, aux_sharding),
     )
 
 
@@ -283,13 +290,129 @@ def step(
       ValueError: `gradient_multiplier` is not a scalar or comes with
         `fake_tc_step=True`; a stage returns the wrong number of values.
     """
-    _check_flags(fake_tc_step, gradient_multiplier)
-    _check_pipeline_input(pipeline_input)
-    if not isinstance(pipeline_state, PipelineState):
-        raise TypeError(
-            f"pipeline_state must be a PipelineState, got {type(pipeline_state).__name__}; "
-            "build it with get_initial_state and pass on the one each step returns."
+    return _checked_step(
+        _compute,
+        pipeline_input,
+        tc_train_state,
+        embedding_variables,
+        pipeline_state,
+        (sc_fwd_function, tc_function, sc_bwd_function),
+        fake_tc_step,
+        gradient_multiplier,
+    )
+
+
+def _checked_step(
+    compute: Callable[..., _Computed],
+    pipeline_input: CurrentStepInput,
+    tc_train_state: Any,
+    embedding_variables: Any,
+    pipeline_state: AnyPipelineState,
+    stages: tuple[ScFwdStageFun, TcStageFun, ScBwdStageFun],
+    fake_tc_step: bool,
+    gradient_multiplier: jax.typing.ArrayLike | None,
+) -> tuple[Any, Any, Any, Any, AnyPipelineState]:
+    """One call of `step` with `compute` (`_compute`, jitted or not) doing the arithmetic."""
+    _check_call(pipeline_input, pipeline_state, fake_tc_step, gradient_multiplier)
+    computed = compute(
+        pipeline_input,
+        tc_train_state,
+        embedding_variables,
+        pipeline_state,
+        *stages,
+        fake_tc_step=fake_tc_step,
+        gradient_multiplier=gradient_multiplier,
+    )
+    return _assemble(computed, pipeline_input, pipeline_state)
+
+
+def jit_step(
+    sc_fwd_function: ScFwdStageFun,
+    tc_function: TcStageFun,
+    sc_bwd_function: ScBwdStageFun,
+    *,
+    donate: bool = True,
+) -> Callable[..., tuple[Any, Any, Any, Any, AnyPipelineState]]:
+    """`step` compiled for the given stages, without copying what it passes on.
+
+    Most of a `PipelineState` passes through a call unchanged: the batch's
+    inputs become the last step's, the last step's sparse inputs the step
+    before's, the placeholders stay. Under `jax.jit(step)` every such leaf is
+    an output of the program, so XLA copies it into a fresh buffer, or, when
+    the state is donated, copies it to resolve the buffers' reuse: hundreds
+    of small copies per call, which on CPU cost more than a quarter of the
+    step. Here only what a call computes runs under `jax.jit`; the
+    pass-through leaves are handed on as they are, outside the program.
+
+    Args:
+      sc_fwd_function: the SC forward stage.
+      tc_function: the TC stage.
+      sc_bwd_function: the SC backward stage.
+      donate: donate the TC train state and the embedding variables (the
+        caller must use the returned ones); the pipeline state is never
+        donated (its leaves move on by reference).
+
+    Returns:
+      `run(pipeline_input, tc_train_state, embedding_variables,
+      pipeline_state, *, fake_tc_step, gradient_multiplier=None)`, with the
+      arguments and results of `step`. One program is compiled per value of
+      `fake_tc_step` (and per input shapes).
+    """
+    compute = jax.jit(
+        _compute,
+        static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step"),
+        donate_argnames=("tc_train_state", "embedding_variables") if donate else (),
+    )
+
+    def run(
+        pipeline_input: CurrentStepInput,
+        tc_train_state: Any,
+        embedding_variables: Any,
+        pipeline_state: AnyPipelineState,
+        *,
+        fake_tc_step: bool,
+        gradient_multiplier: jax.typing.ArrayLike | None = None,
+    ) -> tuple[Any, Any, Any, Any, AnyPipelineState]:
+        return _checked_step(
+            compute,
+            pipeline_input,
+            tc_train_state,
+            embedding_variables,
+            pipeline_state,
+            (sc_fwd_function, tc_function, sc_bwd_function),
+            fake_tc_step,
+            gradient_multiplier,
         )
+
+    return run
+
+
+class _Computed(NamedTuple):
+    """What one call computes; the rest of the new state passes through."""
+
+    output: Any
+    sc_bwd_aux: Any
+    train_state: Any
+    embedding_variables: Any
+    pipeline_step: jax.Array
+    embedding_activations: Any
+    sc_fwd_aux: Any
+    embedding_gradients: Any
+    tc_aux: Any
+
+
+def _compute(
+    pipeline_input: CurrentStepInput,
+    tc_train_state: Any,
+    embedding_variables: Any,
+    pipeline_state: PipelineState,
+    sc_fwd_function: ScFwdStageFun,
+    tc_function: TcStageFun,
+    sc_bwd_function: ScBwdStageFun,
+    *,
+    fake_tc_step: bool,
+    gradient_multiplier: jax.typing.ArrayLike | None,
+) -> _Computed:
     before_last = pipeline_state.step_before_last_step_inputs
     last = pipeline_state.last_step_inputs
     with jax.named_scope("pipelined_sc_bwd"):
@@ -313,23 +436,45 @@ def step(
         tc = _tc_stage(
             last, tc_train_state, pipeline_state, tc_function, fake_tc_step, gradient_multiplier
         )
-    new_state = PipelineState(
+    return _Computed(
+        output=tc.output,
+        sc_bwd_aux=sc_bwd_aux,
+        train_state=tc.train_state,
+        embedding_variables=embedding_variables,
         pipeline_step=pipeline_state.pipeline_step + 1,
+        embedding_activations=activations,
+        sc_fwd_aux=sc_fwd_aux,
+        embedding_gradients=tc.embedding_gradients,
+        tc_aux=tc.tc_aux,
+    )
+
+
+def _assemble(
+    computed: _Computed, pipeline_input: CurrentStepInput, pipeline_state: PipelineState
+) -> tuple[Any, Any, Any, Any, PipelineState]:
+    new_state = PipelineState(
+        pipeline_step=computed.pipeline_step,
         last_step_inputs=LastStepInput(
             sparse_inputs=pipeline_input.sparse_inputs,
-            embedding_activations=activations,
+            embedding_activations=computed.embedding_activations,
             dense_inputs=pipeline_input.dense_inputs,
-            sc_fwd_aux=sc_fwd_aux,
+            sc_fwd_aux=computed.sc_fwd_aux,
         ),
         step_before_last_step_inputs=StepBeforeLastStepInput(
-            sparse_inputs=last.sparse_inputs,
-            embedding_gradients=tc.embedding_gradients,
-            tc_aux=tc.tc_aux,
+            sparse_inputs=pipeline_state.last_step_inputs.sparse_inputs,
+            embedding_gradients=computed.embedding_gradients,
+            tc_aux=computed.tc_aux,
         ),
         placeholder_output=pipeline_state.placeholder_output,
         placeholder_tc_aux=pipeline_state.placeholder_tc_aux,
     )
-    return tc.output, sc_bwd_aux, tc.train_state, embedding_variables, new_state
+    return (
+        computed.output,
+        computed.sc_bwd_aux,
+        computed.train_state,
+        computed.embedding_variables,
+        new_state,
+    )
 
 
 def unstacked_tc_function(
@@ -487,6 +632,18 @@ def _check_flags(fake_tc_step: Any, gradient_multiplier: Any) -> None:
     if np.shape(gradient_multiplier) != ():
         raise ValueError(
             f"gradient_multiplier must be a scalar, got shape {np.shape(gradient_multiplier)}."
+        )
+
+
+def _check_call(
+    pipeline_input: Any, pipeline_state: Any, fake_tc_step: Any, gradient_multiplier: Any
+) -> None:
+    _check_flags(fake_tc_step, gradient_multiplier)
+    _check_pipeline_input(pipeline_input)
+    if not isinstance(pipeline_state, PipelineState):
+        raise TypeError(
+            f"pipeline_state must be a PipelineState, got {type(pipeline_state).__name__}; "
+            "build it with get_initial_state and pass on the one each step returns."
         )
 
 

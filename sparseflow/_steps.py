@@ -70,18 +70,28 @@ class Stages:
     enable_minibatching: bool
 
     def sc_fwd(self, sparse_inputs, embedding_variables):
-        activations = embedding.sparse_dense_matmul(
+        """Lookup; `sc_fwd_aux` is the batch's `embedding.LayoutIndex`.
+
+        The index travels with the batch to its update (through `tc_aux`),
+        which then does not read the layout again: in a pipelined step the
+        update and the lookup see different batches, so XLA cannot share
+        that work between them as it does in the sequential step.
+        """
+        return embedding.sparse_dense_matmul(
             sparse_inputs,
             embedding_variables,
             self.feature_specs,
             self.mesh,
             enable_minibatching=self.enable_minibatching,
+            return_layout_index=True,
         )
-        return activations, None
 
-    def tc(self, activations, dense_inputs: DenseInputs, state: TrainState, sc_fwd_aux=None):
-        """Dense forward/backward and update; `tc_aux` is the batch's training step."""
-        del sc_fwd_aux
+    def tc(self, activations, dense_inputs: DenseInputs, state: TrainState, sc_fwd_aux):
+        """Dense forward/backward and update.
+
+        `tc_aux` is `(step, layout_index)`: the batch's training step and
+        the `sc_fwd_aux` of the same batch, for its embedding update.
+        """
         grad_fn = jax.value_and_grad(_model.loss_fn, argnums=(0, 2), has_aux=True)
         (loss, logits), (param_grads, activation_grads) = grad_fn(
             state.params, dense_inputs.dense, activations, dense_inputs.labels
@@ -94,18 +104,20 @@ class Stages:
             activation_grads,
             StepOutput(loss, logits, dense_inputs.labels),
             new_state,
-            state.step,
+            (state.step, sc_fwd_aux),
         )
 
-    def sc_bwd(self, sparse_inputs, activation_grads, embedding_variables, tc_aux=None):
+    def sc_bwd(self, sparse_inputs, activation_grads, embedding_variables, tc_aux):
+        step, layout_index = tc_aux
         tables = embedding.apply_gradients(
             activation_grads,
             sparse_inputs,
             embedding_variables,
             self.feature_specs,
             self.mesh,
-            tc_aux,
+            step,
             enable_minibatching=self.enable_minibatching,
+            layout_index=layout_index,
         )
         return tables, None
 
@@ -117,9 +129,9 @@ class Stages:
         """
 
         def step(state, tables, sparse_inputs, dense_inputs):
-            activations, _ = self.sc_fwd(sparse_inputs, tables)
-            grads, output, state_out, aux = self.tc(activations, dense_inputs, state)
-            tables, _ = self.sc_bwd(sparse_inputs, grads, tables, aux)
+            activations, sc_fwd_aux = self.sc_fwd(sparse_inputs, tables)
+            grads, output, state_out, tc_aux = self.tc(activations, dense_inputs, state, sc_fwd_aux)
+            tables, _ = self.sc_bwd(sparse_inputs, grads, tables, tc_aux)
             return state_out, tables, output
 
         return jax.jit(step, donate_argnums=(0, 1))

@@ -34,7 +34,6 @@ from sparseflow._metrics import MetricsWriter, Progress
 from sparseflow._steps import DenseInputs, Stages, init_train_state, replicate
 
 _log = logging.getLogger(__name__)
-_PIPELINE_STATICS = ("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,6 +262,7 @@ def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
         run.stages.tc,
         dense_input_sharding=sharding,
         sparse_input_sharding=sharding,
+        aux_sharding=sharding,
     )
 
     # Placeholders left on one device (scalars, the output) are put on every
@@ -342,11 +342,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
     """Runs calls `start..` to the end; returns the wall time."""
     total = parallel.get_pipeline_train_steps(n) if run.pipelined else n
     every = run.config.training.checkpoint_every
-    jit_step = jax.jit(
-        parallel.step,
-        static_argnames=_PIPELINE_STATICS,
-        donate_argnames=("tc_train_state", "embedding_variables", "pipeline_state"),
-    )
+    pipelined_step = parallel.jit_step(run.stages.sc_fwd, run.stages.tc, run.stages.sc_bwd)
     progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
     began, logged, call_seconds = time.perf_counter(), len(run.losses), []
     for t in range(start, total):
@@ -355,7 +351,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
             batch, pending = pending or next(batches), None
         called = time.perf_counter()
         if run.pipelined:
-            _pipelined_call(run, jit_step, t, n, batch)
+            _pipelined_call(run, pipelined_step, t, n, batch)
         else:
             run.state, run.tables, output = run.stages.sequential_step(
                 run.state, run.tables, batch.preprocessed, _dense_inputs(batch)
@@ -374,21 +370,14 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
     return time.perf_counter() - began, call_seconds
 
 
-def _pipelined_call(run: _Run, jit_step, t: int, n: int, batch) -> None:
+def _pipelined_call(run: _Run, pipelined_step, t: int, n: int, batch) -> None:
     if batch is not None:
         pipeline_input = parallel.CurrentStepInput(batch.preprocessed, _dense_inputs(batch))
     else:
         pipeline_input = _dummy_input(run.pipeline_state)
     valid = parallel.is_output_valid(t, n)
-    output, _, run.state, run.tables, run.pipeline_state = jit_step(
-        pipeline_input,
-        run.state,
-        run.tables,
-        run.pipeline_state,
-        run.stages.sc_fwd,
-        run.stages.tc,
-        run.stages.sc_bwd,
-        fake_tc_step=not valid,
+    output, _, run.state, run.tables, run.pipeline_state = pipelined_step(
+        pipeline_input, run.state, run.tables, run.pipeline_state, fake_tc_step=not valid
     )
     jax.block_until_ready((run.state, run.tables, run.pipeline_state))
     if valid:

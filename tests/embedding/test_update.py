@@ -253,3 +253,76 @@ def test_gradient_of_the_wrong_shape_is_rejected():
         embedding.apply_gradients(
             grads, preprocess(make_batch(0), specs, 2, 2), variables, specs, mesh, 0
         )
+
+
+@pytest.mark.parametrize("minibatching", [False, True])
+def test_update_with_the_forwards_layout_index_is_bitwise_the_same(minibatching):
+    """Passing the forward's LayoutIndex skips reading the layout again and
+    changes nothing; the index of one batch also serves a later program."""
+    devices, slots = 2, 2
+    optimizer = OPTIMIZERS["ftrl"]
+    specs = feature_specs("sum", optimizer, devices, slots, limit=8 if minibatching else None)
+    mesh = mesh_of(devices)
+    batch, grads = make_batch(5), _activation_grads(5)
+    preprocessed = preprocess(batch, specs, devices, slots, enable_minibatching=minibatching)
+    if minibatching:
+        assert (preprocessed.num_minibatches > 1).all()
+    results = []
+    for with_index in (False, True):
+        variables = jax.block_until_ready(
+            embedding.init_embedding_variables(jax.random.key(3), specs, mesh, num_sc_per_device=2)
+        )
+        activations_, index = jax.block_until_ready(
+            embedding.sparse_dense_matmul(
+                preprocessed,
+                variables,
+                specs,
+                mesh,
+                enable_minibatching=minibatching,
+                return_layout_index=True,
+            )
+        )
+        variables = jax.block_until_ready(
+            embedding.apply_gradients(
+                grads,
+                preprocessed,
+                variables,
+                specs,
+                mesh,
+                0,
+                enable_minibatching=minibatching,
+                layout_index=index if with_index else None,
+            )
+        )
+        results.append(_gather_all(variables, specs, mesh, slots))
+    (tables, slot_values), (tables_index, slot_values_index) = results
+    for table in TABLES:
+        np.testing.assert_array_equal(tables_index[table], tables[table])
+        for name, values in slot_values[table].items():
+            np.testing.assert_array_equal(slot_values_index[table][name], values)
+
+
+def test_layout_index_of_another_geometry_is_rejected():
+    devices, slots = 2, 2
+    specs, mesh = feature_specs("sum", OPTIMIZERS["sgd"], devices, slots), mesh_of(devices)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(jax.random.key(0), specs, mesh, num_sc_per_device=2)
+    )
+    preprocessed = preprocess(make_batch(0), specs, devices, slots)
+    _, index = jax.block_until_ready(
+        embedding.sparse_dense_matmul(
+            preprocessed, variables, specs, mesh, return_layout_index=True
+        )
+    )
+    name = next(iter(index.segment))
+    cut = embedding.LayoutIndex(
+        {**index.segment, name: index.segment[name][:, :8]}, dict(index.valid)
+    )
+    with pytest.raises(ValueError, match=rf"Stack '{name}': layout_index.segment has shape"):
+        embedding.apply_gradients(
+            _activation_grads(0), preprocessed, variables, specs, mesh, 0, layout_index=cut
+        )
+    with pytest.raises(TypeError, match="layout_index must be the LayoutIndex"):
+        embedding.apply_gradients(
+            _activation_grads(0), preprocessed, variables, specs, mesh, 0, layout_index=(1, 2)
+        )

@@ -242,7 +242,10 @@ def train_sequential(table, train_state, batches, *, delay, mode="eager"):
     return table, train_state, losses
 
 
-def train_pipelined(table, train_state, batches, step_fn, *, multiplier=False, dummy=None):
+def train_pipelined(
+    table, train_state, batches, step_fn, *, multiplier=False, dummy=None,
+    stages=(lookup, dense_train, sgd_update),
+):  # fmt: skip
     n = len(batches)
     if dummy is None:
         dummy = jax.tree.map(jnp.zeros_like, batches[0])
@@ -255,8 +258,7 @@ def train_pipelined(table, train_state, batches, step_fn, *, multiplier=False, d
         else:
             boundary = {"fake_tc_step": not valid}
         out, _, train_state, table, state = step_fn(
-            batches[t] if t < n else dummy, train_state, table, state,
-            lookup, dense_train, sgd_update, **boundary,
+            batches[t] if t < n else dummy, train_state, table, state, *stages, **boundary,
         )  # fmt: skip
         if valid:
             losses.append(out["loss"])
@@ -368,6 +370,44 @@ def test_multiplier_keeps_one_program_for_every_call():
             fake_tc_step=False, gradient_multiplier=jnp.float32(is_output_valid(t, n)),
         )  # fmt: skip
     assert len(traces) - before == 1
+
+
+def checked_jit_step():
+    """`parallel.jit_step` for the test stages, checking what each call donates and passes on."""
+    run = parallel.jit_step(lookup, dense_train, sgd_update)
+
+    def checked(batch, train_state, table, state, **boundary):
+        result = run(batch, train_state, table, state, **boundary)
+        if not boundary.get("fake_tc_step"):  # (a fake step leaves its unused inputs alone)
+            assert table.is_deleted()
+        kept = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)]
+        assert kept and not any(leaf.is_deleted() for leaf in kept)
+        # The batch moves on by reference: no copy of it inside the program.
+        assert result[-1].last_step_inputs.sparse_inputs["ids"] is batch.sparse_inputs["ids"]
+        return result
+
+    return checked
+
+
+@pytest.mark.parametrize("multiplier", [False, True], ids=["fake_tc_step", "multiplier"])
+def test_jit_step_trains_bitwise_like_the_jitted_step(multiplier):
+    table, train_state, batches = make_problem(8)
+    expected = train_pipelined(
+        table, train_state, batches, jit_step(donate=False), multiplier=multiplier
+    )
+    table = jnp.asarray(table)  # donatable from the first call on
+    got = train_pipelined(
+        table, train_state, batches, checked_jit_step(), multiplier=multiplier, stages=()
+    )
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def test_jit_step_checks_its_call_like_step(one_batch):
+    batch, train_state, table, state = one_batch
+    run = parallel.jit_step(lookup, dense_train, sgd_update)
+    with pytest.raises(TypeError, match="pipeline_state must be a PipelineState"):
+        run(batch, train_state, table, tuple(state), fake_tc_step=False)
 
 
 def primitive_names(jaxpr):
@@ -624,6 +664,7 @@ def test_public_names():
         "TcStageFun",
         "ScBwdStageFun",
         "step",
+        "jit_step",
         "get_initial_state",
         "get_pipeline_state_sharding",
         "get_pipeline_train_steps",
