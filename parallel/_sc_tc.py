@@ -318,7 +318,7 @@ def _checked_step(
         pipeline_input,
         tc_train_state,
         embedding_variables,
-        pipeline_state,
+        *_split_state(pipeline_state),
         *stages,
         fake_tc_step=fake_tc_step,
         gradient_multiplier=gradient_multiplier,
@@ -344,13 +344,20 @@ def jit_step(
     step. Here only what a call computes runs under `jax.jit`; the
     pass-through leaves are handed on as they are, outside the program.
 
+    What the stages made and the call consumes (the last step's activations
+    and SC forward aux, the gradients and TC aux of the step before, the
+    step count) is donated, so its buffers hold what replaces it: no
+    allocation per call, and an aux that the TC stage hands on unchanged
+    (e.g. `embedding.LayoutIndex`) is aliased, not copied.
+
     Args:
       sc_fwd_function: the SC forward stage.
       tc_function: the TC stage.
       sc_bwd_function: the SC backward stage.
-      donate: donate the TC train state and the embedding variables (the
-        caller must use the returned ones); the pipeline state is never
-        donated (its leaves move on by reference).
+      donate: donate the TC train state, the embedding variables and the
+        consumed part of the pipeline state (the caller must use the
+        returned ones). The batch's inputs are never donated: they move on
+        by reference, so a batch may be passed again.
 
     Returns:
       `run(pipeline_input, tc_train_state, embedding_variables,
@@ -361,7 +368,7 @@ def jit_step(
     compute = jax.jit(
         _compute,
         static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step"),
-        donate_argnames=("tc_train_state", "embedding_variables") if donate else (),
+        donate_argnames=("tc_train_state", "embedding_variables", "consumed") if donate else (),
     )
 
     def run(
@@ -401,11 +408,40 @@ class _Computed(NamedTuple):
     tc_aux: Any
 
 
+class _Consumed(NamedTuple):
+    """The leaves of a pipeline state that a call uses up and replaces."""
+
+    pipeline_step: Any
+    embedding_activations: Any
+    sc_fwd_aux: Any
+    embedding_gradients: Any
+    tc_aux: Any
+
+
+def _split_state(state: PipelineState) -> tuple[_Consumed, PipelineState]:
+    """`(consumed, kept)`: `kept` is `state` with the consumed leaves set to None."""
+    last, before_last = state.last_step_inputs, state.step_before_last_step_inputs
+    consumed = _Consumed(
+        state.pipeline_step,
+        last.embedding_activations,
+        last.sc_fwd_aux,
+        before_last.embedding_gradients,
+        before_last.tc_aux,
+    )
+    kept = state._replace(
+        pipeline_step=None,
+        last_step_inputs=last._replace(embedding_activations=None, sc_fwd_aux=None),
+        step_before_last_step_inputs=before_last._replace(embedding_gradients=None, tc_aux=None),
+    )
+    return consumed, kept
+
+
 def _compute(
     pipeline_input: CurrentStepInput,
     tc_train_state: Any,
     embedding_variables: Any,
-    pipeline_state: PipelineState,
+    consumed: _Consumed,
+    kept: PipelineState,
     sc_fwd_function: ScFwdStageFun,
     tc_function: TcStageFun,
     sc_bwd_function: ScBwdStageFun,
@@ -413,6 +449,17 @@ def _compute(
     fake_tc_step: bool,
     gradient_multiplier: jax.typing.ArrayLike | None,
 ) -> _Computed:
+    """What one call computes, from a pipeline state given as `_split_state` parts."""
+    pipeline_state = kept._replace(
+        pipeline_step=consumed.pipeline_step,
+        last_step_inputs=kept.last_step_inputs._replace(
+            embedding_activations=consumed.embedding_activations,
+            sc_fwd_aux=consumed.sc_fwd_aux,
+        ),
+        step_before_last_step_inputs=kept.step_before_last_step_inputs._replace(
+            embedding_gradients=consumed.embedding_gradients, tc_aux=consumed.tc_aux
+        ),
+    )
     before_last = pipeline_state.step_before_last_step_inputs
     last = pipeline_state.last_step_inputs
     with jax.named_scope("pipelined_sc_bwd"):

@@ -378,12 +378,20 @@ def checked_jit_step():
 
     def checked(batch, train_state, table, state, **boundary):
         result = run(batch, train_state, table, state, **boundary)
+        last, before_last = state.last_step_inputs, state.step_before_last_step_inputs
+        # What the stages made is used up and donated...
+        consumed = [last.embedding_activations, before_last.embedding_gradients]
+        # ...what passes on (inputs, placeholders) is not.
+        passed = [last.sparse_inputs, state.placeholder_output, state.placeholder_tc_aux]
         if not boundary.get("fake_tc_step"):  # (a fake step leaves its unused inputs alone)
             assert table.is_deleted()
-        kept = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)]
-        assert kept and not any(leaf.is_deleted() for leaf in kept)
+            assert all(leaf.is_deleted() for leaf in jax.tree.leaves(consumed))
+        arrays = [leaf for leaf in jax.tree.leaves(passed) if isinstance(leaf, jax.Array)]
+        assert arrays and not any(leaf.is_deleted() for leaf in arrays)
         # The batch moves on by reference: no copy of it inside the program.
-        assert result[-1].last_step_inputs.sparse_inputs["ids"] is batch.sparse_inputs["ids"]
+        new_state = result[-1]
+        assert new_state.last_step_inputs.sparse_inputs["ids"] is batch.sparse_inputs["ids"]
+        assert new_state.step_before_last_step_inputs.sparse_inputs is last.sparse_inputs
         return result
 
     return checked
