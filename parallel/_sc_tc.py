@@ -436,6 +436,20 @@ def _split_state(state: PipelineState) -> tuple[_Consumed, PipelineState]:
     return consumed, kept
 
 
+def _merge_state(consumed: _Consumed, kept: PipelineState) -> PipelineState:
+    """The inverse of `_split_state`."""
+    last, before_last = kept.last_step_inputs, kept.step_before_last_step_inputs
+    return kept._replace(
+        pipeline_step=consumed.pipeline_step,
+        last_step_inputs=last._replace(
+            embedding_activations=consumed.embedding_activations, sc_fwd_aux=consumed.sc_fwd_aux
+        ),
+        step_before_last_step_inputs=before_last._replace(
+            embedding_gradients=consumed.embedding_gradients, tc_aux=consumed.tc_aux
+        ),
+    )
+
+
 def _compute(
     pipeline_input: CurrentStepInput,
     tc_train_state: Any,
@@ -450,16 +464,7 @@ def _compute(
     gradient_multiplier: jax.typing.ArrayLike | None,
 ) -> _Computed:
     """What one call computes, from a pipeline state given as `_split_state` parts."""
-    pipeline_state = kept._replace(
-        pipeline_step=consumed.pipeline_step,
-        last_step_inputs=kept.last_step_inputs._replace(
-            embedding_activations=consumed.embedding_activations,
-            sc_fwd_aux=consumed.sc_fwd_aux,
-        ),
-        step_before_last_step_inputs=kept.step_before_last_step_inputs._replace(
-            embedding_gradients=consumed.embedding_gradients, tc_aux=consumed.tc_aux
-        ),
-    )
+    pipeline_state = _merge_state(consumed, kept)
     before_last = pipeline_state.step_before_last_step_inputs
     last = pipeline_state.last_step_inputs
     with jax.named_scope("pipelined_sc_bwd"):

@@ -268,7 +268,7 @@ def _parse_batch(records: list[bytes], layout: FeatureLayout) -> ParsedBatch:
         tensors = _tf_parser(layout)(tf.constant(records, dtype=tf.string))
     # TF formats its message with the record's bytes, which need not be UTF-8.
     except (tf.errors.InvalidArgumentError, UnicodeDecodeError) as error:
-        raise _BatchRejected(tf_error_reason(error)) from error
+        raise _BatchRejected("rejected by tf.io.parse_example") from error
     ids = {name: _ragged_numpy(tensors[name]) for name in layout.sparse}
     weights = {
         name: _ragged_numpy(tensors[weights_key(name)])

@@ -385,7 +385,8 @@ def checked_jit_step():
         passed = [last.sparse_inputs, state.placeholder_output, state.placeholder_tc_aux]
         if not boundary.get("fake_tc_step"):  # (a fake step leaves its unused inputs alone)
             assert table.is_deleted()
-            assert all(leaf.is_deleted() for leaf in jax.tree.leaves(consumed))
+            consumed_leaves = jax.tree.leaves(consumed)
+            assert consumed_leaves and all(leaf.is_deleted() for leaf in consumed_leaves)
         arrays = [leaf for leaf in jax.tree.leaves(passed) if isinstance(leaf, jax.Array)]
         assert arrays and not any(leaf.is_deleted() for leaf in arrays)
         # The batch moves on by reference: no copy of it inside the program.
