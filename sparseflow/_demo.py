@@ -40,6 +40,10 @@ def ensure_data(config: RunConfig) -> None:
 
 def run_fdo(config: RunConfig, data: str) -> tuple[Path, str]:
     out = run_dir(config) / "fdo"
+    # Training merges every stats file of the directory (element-wise max):
+    # the files of earlier demo runs, perhaps of another config or dataset,
+    # would set this run's limits. The demo starts afresh, as its checkpoints do.
+    shutil.rmtree(out, ignore_errors=True)
     result = beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(out))
     limits = embedding.fdo_limits(result.stats, headroom=config.training.fdo_headroom)
     lines = [f"FDO: {result.stats.batches} batches -> {result.stats_path}"]
