@@ -61,22 +61,22 @@ def _compiled(model, num_stages, m, layers="manual"):
     return step
 
 
-def _assert_tree_close(got, want, rtol=1e-5):
+def _assert_tree_close(got, want, rtol=1e-5, atol=1e-6):
     jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-6),
+        lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol),
         got,
         want,
     )
 
 
-def _assert_steps_match(step, model, steps=2):
+def _assert_steps_match(step, model, steps=2, atol=1e-6):
     """`steps` consecutive steps give the reference's (state, loss, grads)."""
     state, batch = _inputs(model)
     reference_state = state
     for _ in range(steps):
         got = step(state, batch)
         want = _reference(model)(reference_state, batch)
-        _assert_tree_close(got, want)
+        _assert_tree_close(got, want, atol=atol)
         state, reference_state = got[0], want[0]
 
 
@@ -118,7 +118,12 @@ def test_transformer_matches_reference(num_stages, m, layers, schedule):
     step = _compiled("transformer", num_stages, m, layers).with_runtime_options(
         pipeline_schedule=schedule
     )
-    _assert_steps_match(step, "transformer")
+    # Microbatching sums every gradient in another order than the reference.
+    # In float32, through attention, softmax and two Adam steps, that moves
+    # parameters by a few 1e-6 (up to 2.6e-6 seen, the amount depending on
+    # the CPU's kernels). A lost or doubled microbatch moves them by the
+    # order of an Adam update (learning rate 0.05), far above this atol.
+    _assert_steps_match(step, "transformer", atol=1e-5)
 
 
 def test_manual_stages_with_uneven_submeshes_match_reference():
