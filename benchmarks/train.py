@@ -1,14 +1,18 @@
 """Training throughput on the demo config: SC/TC pipelined vs sequential, and the whole demo.
 
-Both modes train the same steps on the same data in one run. Steady-state
-figures are the median of the per-call times after the first calls (which
-compile). A pipelined run makes n + 2 calls for n batches: `steps_per_s` is
-the steady state of a long run, `steps_per_s_over_run` charges this run's n
-steps with the two boundary calls too. On 8 virtual CPU
-devices sharing 2 cores the sparse and dense stages cannot run side by side,
-so pipelining cannot gain here; the figure to watch is that it costs little.
+Both modes train the same steps on the same data in one run, `--repeats`
+times each, in the order sequential, pipelined, pipelined, sequential, ...:
+the load of a shared machine drifts within a run, and alternating the modes
+spreads the drift over both. Steady-state figures are the median of the
+per-call times of all runs of a mode, after each run's first calls (which
+compile); `ratio_vs_sequential_by_repeat` gives each repeat's own ratio. A
+pipelined run makes n + 2 calls for n batches: `steps_per_s` is the steady
+state of a long run, `steps_per_s_over_run` charges this run's n steps with
+the two boundary calls too. On 8 virtual CPU devices sharing 2 cores the
+sparse and dense stages cannot run side by side, so pipelining cannot gain
+here; the figure to watch is that it costs little.
 
-    python benchmarks/train.py [--steps 120] [--skip-demo]
+    python benchmarks/train.py [--steps 120] [--repeats 2] [--skip-demo]
 """
 
 from __future__ import annotations
@@ -31,44 +35,70 @@ REPO = Path(__file__).resolve().parents[1]
 WARMUP_CALLS = 5
 
 
-def _steady(result: _train.TrainResult, pipelined: bool) -> dict:
-    calls = result.call_seconds[WARMUP_CALLS:]
-    median = statistics.median(calls)
-    n = result.steps
+def _steady(results: list[_train.TrainResult], pipelined: bool) -> dict:
+    median = _median_call(results)
+    n = results[0].steps
     calls_per_step = (n + 2) / n if pipelined else 1.0
     return {
         "steps_per_s": round(1.0 / median, 2),
         "steps_per_s_over_run": round(1.0 / (median * calls_per_step), 2),
         "examples_per_s": round(512 / median),
         "median_call_ms": round(median * 1e3, 1),
-        "wall_s": round(result.seconds, 1),
-        "final_loss": round(sum(result.losses[-20:]) / 20, 4),
+        "wall_s": round(statistics.mean(result.seconds for result in results), 1),
+        "final_loss": round(sum(results[-1].losses[-20:]) / 20, 4),
     }
+
+
+def _median_call(results: list[_train.TrainResult]) -> float:
+    return statistics.median(
+        call for result in results for call in result.call_seconds[WARMUP_CALLS:]
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1.")
     config = sparseflow.load_config(REPO / "configs" / "demo.yaml")
     _demo.ensure_data(config)
     data = str(config.dataset.dir / "arrayrecord")
     fdo_dir, _ = _demo.run_fdo(config, data)  # the limits the demo trains with
-    figures = {"benchmark": "train", "config": "configs/demo.yaml", "steps": args.steps}
-    for pipelined in (False, True):
-        result = _train.train(
-            config,
-            _train.TrainOptions(
-                data=data, steps=args.steps, pipelined=pipelined, fdo_dir=fdo_dir, progress=False
-            ),
-        )
-        figures["pipelined" if pipelined else "sequential"] = _steady(result, pipelined)
+    figures = {
+        "benchmark": "train",
+        "config": "configs/demo.yaml",
+        "steps": args.steps,
+        "repeats": args.repeats,
+    }
+    runs: dict[bool, list[_train.TrainResult]] = {False: [], True: []}
+    for repeat in range(args.repeats):
+        for pipelined in (False, True) if repeat % 2 == 0 else (True, False):
+            runs[pipelined].append(
+                _train.train(
+                    config,
+                    _train.TrainOptions(
+                        data=data,
+                        steps=args.steps,
+                        pipelined=pipelined,
+                        fdo_dir=fdo_dir,
+                        progress=False,
+                    ),
+                )
+            )
+    figures["sequential"] = _steady(runs[False], pipelined=False)
+    figures["pipelined"] = _steady(runs[True], pipelined=True)
     sequential, pipelined = figures["sequential"], figures["pipelined"]
     figures["ratio_vs_sequential"] = round(pipelined["steps_per_s"] / sequential["steps_per_s"], 3)
     figures["ratio_vs_sequential_over_run"] = round(
         pipelined["steps_per_s_over_run"] / sequential["steps_per_s_over_run"], 3
     )
+    figures["ratio_vs_sequential_by_repeat"] = [
+        round(_median_call([sequential_run]) / _median_call([pipelined_run]), 3)
+        for sequential_run, pipelined_run in zip(runs[False], runs[True], strict=True)
+    ]
     if not args.skip_demo:
         began = time.perf_counter()
         subprocess.run(
