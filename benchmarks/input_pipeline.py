@@ -16,10 +16,14 @@ device placement).
     configured SC/TC pipelined step, the loss read back every step) runs
     `--steps` steps fed (a) from device batches already in memory and (b) by
     the live pipeline (`DeviceIterator` over the Grain iterator, as the demo
-    builds it) with each worker count of `--loop-workers`, in the same run.
-    The stall fraction is the share of the live loop's time not explained by
-    the steps: `1 - t_in_memory / t_live`, over the steps after the first
-    `WARMUP_STEPS` of each loop (compilation, worker start-up).
+    builds it) with each worker count of `--loop-workers`, in the same run,
+    `--repeats` times each, in the order in-memory, 0, 1, 2 workers, then
+    2, 1, 0, in-memory, ...: the load of a shared machine drifts within a
+    run, and alternating the loops spreads the drift over all of them. The
+    stall fraction is the share of the live loop's time not explained by the
+    steps: `1 - t_in_memory / t_live`, each time the mean over the repeats
+    and over the steps after the first `WARMUP_STEPS` of each loop
+    (compilation, worker start-up).
     `ratio_vs_in_memory` is live steps/s over in-memory steps/s for the
     configured worker count (`training.workers`).
 
@@ -28,6 +32,7 @@ workers, the step and anything else running share its cores. The last line
 printed is one JSON object.
 
     python benchmarks/input_pipeline.py [--batches 40] [--steps 60] [--loop-workers 0,1,2]
+        [--repeats 2]
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
@@ -155,7 +162,9 @@ def time_loop(run: _train._Run, batches: Iterator, steps: int) -> tuple[float, f
     return (end - start) / len(rest), (end_cpu - start_cpu) / len(rest)
 
 
-def measure_stall(run: _train._Run, data: str, loop_workers: list[int], steps: int) -> dict:
+def measure_stall(
+    run: _train._Run, data: str, loop_workers: list[int], steps: int, repeats: int
+) -> dict:
     """The in-memory loop's step, and the live loop's per worker count."""
     with host_iterator(run, data, 0) as host:
         host_batches = [next(host) for _ in range(IN_MEMORY_BATCHES)]
@@ -164,22 +173,35 @@ def measure_stall(run: _train._Run, data: str, loop_workers: list[int], steps: i
     def memory_batches(count: int) -> Iterator:
         return (in_memory[i % len(in_memory)] for i in range(count))
 
-    time_loop(run, memory_batches(WARMUP_STEPS + 2), WARMUP_STEPS + 2)  # compiles
-    step_s, step_cpu = time_loop(run, memory_batches(steps), steps)
-    loops = {"in_memory": {"step_ms": step_s * 1e3, "cpu_ms_per_step": step_cpu * 1e3}}
-    for workers in loop_workers:
+    def in_memory_loop() -> tuple[float, float]:
+        return time_loop(run, memory_batches(steps), steps)
+
+    def live_loop(workers: int) -> tuple[float, float]:
         config = with_workers(run.config, workers)
         with _train._iterator(
             config, run.options, run.specs, run.mesh, data, training=True
         ) as batches:
-            live_s, live_cpu = time_loop(run, batches, steps)
-        loops[workers] = {
-            "step_ms": live_s * 1e3,
-            "cpu_ms_per_step": live_cpu * 1e3,
-            "input_stall_fraction": max(0.0, 1 - step_s / live_s),
-        }
-        print(f"loop fed live with {workers} workers: {loops[workers]}", flush=True)
-    return loops
+            return time_loop(run, batches, steps)
+
+    time_loop(run, memory_batches(WARMUP_STEPS + 2), WARMUP_STEPS + 2)  # compiles
+    loops = [("in_memory", in_memory_loop)] + [
+        (workers, functools.partial(live_loop, workers)) for workers in loop_workers
+    ]
+    timed: dict = {name: [] for name, _ in loops}
+    for repeat in range(repeats):
+        for name, loop in loops if repeat % 2 == 0 else loops[::-1]:
+            timed[name].append(loop())
+            print(f"loop {name} (repeat {repeat}): {timed[name][-1]}", flush=True)
+    figures = {}
+    for name, times in timed.items():
+        step_s, cpu_s = (statistics.mean(column) for column in zip(*times, strict=True))
+        figures[name] = {"step_ms": step_s * 1e3, "cpu_ms_per_step": cpu_s * 1e3}
+    in_memory_ms = figures["in_memory"]["step_ms"]
+    for workers in loop_workers:
+        figures[workers]["input_stall_fraction"] = max(
+            0.0, 1 - in_memory_ms / figures[workers]["step_ms"]
+        )
+    return figures
 
 
 def main() -> None:
@@ -189,7 +211,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--throughput-workers", default="0,1,2")
     parser.add_argument("--loop-workers", default="0,1,2")
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1.")
     if args.steps < WARMUP_STEPS + 2:
         parser.error(f"--steps must be at least {WARMUP_STEPS + 2} (warm-up steps + 2).")
     config = load_config(args.config)
@@ -201,7 +226,7 @@ def main() -> None:
         for workers in _counts(args.throughput_workers):
             throughput[workers] = measure_throughput(run, data, workers, args.batches)
             print(f"{workers} workers: {throughput[workers]}", flush=True)
-        loops = measure_stall(run, data, _counts(args.loop_workers), args.steps)
+        loops = measure_stall(run, data, _counts(args.loop_workers), args.steps, args.repeats)
     in_memory = loops.pop("in_memory")
     configured = config.training.workers
     headline = loops.get(configured, next(iter(loops.values())))
@@ -211,6 +236,7 @@ def main() -> None:
         "global_batch": config.global_batch_size,
         "devices": config.mesh.devices,
         "limits": "fdo",
+        "repeats": args.repeats,
         "host_batches_per_s": _rounded(throughput, "batches_per_s", 1),
         "input_cpu_ms_per_batch": _rounded(throughput, "cpu_ms_per_batch", 2),
         "worker_startup_s": _rounded(throughput, "startup_s", 1),
