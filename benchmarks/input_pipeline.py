@@ -54,6 +54,8 @@ import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from _alternating import add_repeats_argument, alternating  # noqa: E402
+
 import beam_jobs  # noqa: E402
 import pipelines  # noqa: E402
 from sparseflow import _fdo_command, _train  # noqa: E402
@@ -188,10 +190,9 @@ def measure_stall(
         (workers, functools.partial(live_loop, workers)) for workers in loop_workers
     ]
     timed: dict = {name: [] for name, _ in loops}
-    for repeat in range(repeats):
-        for name, loop in loops if repeat % 2 == 0 else loops[::-1]:
-            timed[name].append(loop())
-            print(f"loop {name} (repeat {repeat}): {timed[name][-1]}", flush=True)
+    for repeat, (name, loop) in alternating(loops, repeats):
+        timed[name].append(loop())
+        print(f"loop {name} (repeat {repeat}): {timed[name][-1]}", flush=True)
     figures = {}
     for name, times in timed.items():
         step_s, cpu_s = (statistics.mean(column) for column in zip(*times, strict=True))
@@ -211,10 +212,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--throughput-workers", default="0,1,2")
     parser.add_argument("--loop-workers", default="0,1,2")
-    parser.add_argument("--repeats", type=int, default=2)
+    add_repeats_argument(parser)
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1.")
     if args.steps < WARMUP_STEPS + 2:
         parser.error(f"--steps must be at least {WARMUP_STEPS + 2} (warm-up steps + 2).")
     config = load_config(args.config)

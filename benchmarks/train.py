@@ -28,6 +28,8 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from _alternating import add_repeats_argument, alternating  # noqa: E402
+
 import sparseflow  # noqa: E402
 from sparseflow import _demo, _train  # noqa: E402
 
@@ -45,7 +47,7 @@ def _steady(results: list[_train.TrainResult], pipelined: bool) -> dict:
         "examples_per_s": round(512 / median),
         "median_call_ms": round(median * 1e3, 1),
         "wall_s": round(statistics.mean(result.seconds for result in results), 1),
-        "final_loss": round(sum(results[-1].losses[-20:]) / 20, 4),
+        "final_loss": round(statistics.mean(results[-1].losses[-20:]), 4),
     }
 
 
@@ -58,11 +60,9 @@ def _median_call(results: list[_train.TrainResult]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--repeats", type=int, default=2)
+    add_repeats_argument(parser)
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1.")
     config = sparseflow.load_config(REPO / "configs" / "demo.yaml")
     _demo.ensure_data(config)
     data = str(config.dataset.dir / "arrayrecord")
@@ -74,20 +74,19 @@ def main() -> None:
         "repeats": args.repeats,
     }
     runs: dict[bool, list[_train.TrainResult]] = {False: [], True: []}
-    for repeat in range(args.repeats):
-        for pipelined in (False, True) if repeat % 2 == 0 else (True, False):
-            runs[pipelined].append(
-                _train.train(
-                    config,
-                    _train.TrainOptions(
-                        data=data,
-                        steps=args.steps,
-                        pipelined=pipelined,
-                        fdo_dir=fdo_dir,
-                        progress=False,
-                    ),
-                )
+    for _, pipelined in alternating((False, True), args.repeats):
+        runs[pipelined].append(
+            _train.train(
+                config,
+                _train.TrainOptions(
+                    data=data,
+                    steps=args.steps,
+                    pipelined=pipelined,
+                    fdo_dir=fdo_dir,
+                    progress=False,
+                ),
             )
+        )
     figures["sequential"] = _steady(runs[False], pipelined=False)
     figures["pipelined"] = _steady(runs[True], pipelined=True)
     sequential, pipelined = figures["sequential"], figures["pipelined"]

@@ -346,9 +346,11 @@ def jit_step(
 
     What the stages made and the call consumes (the last step's activations
     and SC forward aux, the gradients and TC aux of the step before, the
-    step count) is donated, so its buffers hold what replaces it: no
-    allocation per call, and an aux that the TC stage hands on unchanged
-    (e.g. `embedding.LayoutIndex`) is aliased, not copied.
+    step count) is donated, so the results reuse its buffers instead of new
+    ones: jax pairs each result with the first unused donated argument of the
+    same shape. Where a result takes the buffer of a value the call still
+    reads, XLA copies that value first; an aux that the TC stage hands on
+    unchanged (e.g. `embedding.LayoutIndex`) is such a copy.
 
     Args:
       sc_fwd_function: the SC forward stage.
