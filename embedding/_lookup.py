@@ -127,7 +127,8 @@ class Entries(NamedTuple):
     """One device's layout entries, decoded once for all minibatches.
 
     Attributes:
-      segment: `int32[S, C]` the entry's `minibatch * N + partition`.
+      segment: `int32[S, C]` the entry's `minibatch * N + partition`; -1 for
+        padding.
       valid: `bool[S, C]` false for padding.
       ids: `int32[S, C]` local ids within the partition.
       samples: `int32[S, C]` samples in the slot; `P` for padding.
@@ -142,7 +143,7 @@ class Entries(NamedTuple):
 
 
 class LayoutIndex(NamedTuple):
-    """Per stack, where the lookup found each layout entry's segment.
+    """Where the lookup found each layout entry's segment, for every stack.
 
     Finding the segments (a scatter, a prefix count and a gather over every
     entry) is the costly part of reading a layout; the forward returns them
@@ -150,14 +151,17 @@ class LayoutIndex(NamedTuple):
     matters when the two run in different programs or on different batches
     in one program (SC/TC pipelining), where XLA cannot share the work.
 
+    One array for all stacks, because every array a program returns or takes
+    costs a buffer per device on each call: an index handed from step to
+    step (the pipeline state) would otherwise cost two per stack.
+
     Attributes:
-      segment: `int32[G * S, C]` by stack name: the entry's `minibatch * N
-        + partition`.
-      valid: `bool[G * S, C]` by stack name: false for padding.
+      segments: `int32[G * S, sum of C over the stacks]`: per stack, in the
+        order the feature specs first name the stacks, its `[G * S, C]`
+        entries' `minibatch * N + partition`, or -1 for padding.
     """
 
-    segment: dict[str, jax.Array]
-    valid: dict[str, jax.Array]
+    segments: jax.Array
 
 
 class Routing(NamedTuple):
@@ -388,8 +392,9 @@ def _slot_index(g: StackGeometry) -> jax.Array:
     return jnp.arange(g.slots, dtype=jnp.int32)[:, None]
 
 
-def find_segments(layout: LayoutArrays, g: StackGeometry) -> tuple[jax.Array, jax.Array]:
-    """`(segment: int32[S, C], valid: bool[S, C])` of one device's layout.
+def find_segments(layout: LayoutArrays, g: StackGeometry) -> jax.Array:
+    """`int32[S, C]`: each entry's `minibatch * N + partition` in one device's
+    layout, -1 for padding.
 
     Args:
       layout: this device's arrays: row pointers `int32[S * K * W]`, ids,
@@ -406,21 +411,20 @@ def find_segments(layout: LayoutArrays, g: StackGeometry) -> tuple[jax.Array, ja
     marks = jnp.zeros((s, c + 1), jnp.int32).at[slot, starts].add(1)
     segment = running_count(marks)[:, :c]
     valid = jnp.arange(c) < jnp.take_along_axis(ends, segment, axis=1)
-    return segment, valid
+    return jnp.where(valid, segment, -1)
 
 
-def decode(
-    layout: LayoutArrays, g: StackGeometry, segments: tuple[jax.Array, jax.Array] | None = None
-) -> Entries:
+def decode(layout: LayoutArrays, g: StackGeometry, segment: jax.Array | None = None) -> Entries:
     """Every entry of one device's layout with its segment.
 
     Args:
       layout: this device's arrays (see `find_segments`).
       g: the stack's geometry.
-      segments: `find_segments(layout, g)` if already known.
+      segment: `find_segments(layout, g)` if already known.
     """
     s, c = g.slots, g.capacity
-    segment, valid = find_segments(layout, g) if segments is None else segments
+    segment = find_segments(layout, g) if segment is None else segment
+    valid = segment >= 0
     return Entries(
         segment=segment,
         valid=valid,
@@ -486,7 +490,7 @@ def _lookup_minibatch(
 
 def lookup_stack(
     layout: LayoutArrays, table: jax.Array, *, geometry: StackGeometry, axis: str
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """One device's part of one stack's lookup (inside `shard_map`).
 
     Args:
@@ -496,13 +500,13 @@ def lookup_stack(
       axis: the mesh axis.
 
     Returns:
-      `(activations, (segment, valid))`: per feature of the stack,
+      `(activations, segment)`: per feature of the stack,
       `float32[S * samples_per_slot, dim]`; and the layout's segments as
       `find_segments` gives them.
     """
     g = geometry
-    segments = find_segments(layout, g)
-    entries = decode(layout, g, segments)
+    segment = find_segments(layout, g)
+    entries = decode(layout, g, segment)
     combined = over_minibatches(
         g,
         layout.num_minibatches,
@@ -515,7 +519,7 @@ def lookup_stack(
         )
         for f in g.features
     )
-    return activations, segments
+    return activations, segment
 
 
 @functools.partial(jax.jit, static_argnames=("geometries", "mesh"))
@@ -525,7 +529,7 @@ def _forward(
     axis = mesh_axis(mesh)
     spec = PartitionSpec(axis)
     activations = [None] * sum(len(g.features) for g in geometries)
-    index = LayoutIndex({}, {})
+    segments = []
     for g in geometries:
         lookup = jax.shard_map(
             functools.partial(lookup_stack, geometry=g, axis=axis),
@@ -533,12 +537,11 @@ def _forward(
             in_specs=(spec, spec),
             out_specs=spec,
         )
-        values, (index.segment[g.name], index.valid[g.name]) = lookup(
-            layout[g.name], tables[g.name]
-        )
+        values, segment = lookup(layout[g.name], tables[g.name])
+        segments.append(segment)
         for feature, value in zip(g.features, values):
             activations[feature.index] = value
-    return activations, index
+    return activations, LayoutIndex(jnp.concatenate(segments, axis=1))
 
 
 def sparse_dense_matmul(

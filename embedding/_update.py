@@ -126,7 +126,7 @@ def update_stack(
     variables: EmbeddingVariables,
     learning_rate: jax.Array,
     step: jax.Array,
-    segments: tuple[jax.Array, jax.Array] | None,
+    segment: jax.Array | None,
     *,
     geometry: StackGeometry,
     axis: str,
@@ -139,8 +139,8 @@ def update_stack(
       variables: this device's shards, `float32[S * R, D]` each.
       learning_rate: scalar.
       step: scalar int32.
-      segments: the layout's `(segment, valid)` from the forward, or None to
-        find them here.
+      segment: the layout's `int32[S, C]` segments from the forward
+        (`find_segments`), or None to find them here.
       geometry: the stack's geometry.
       axis: the mesh axis.
 
@@ -148,7 +148,7 @@ def update_stack(
       The updated shards.
     """
     g = geometry
-    entries = decode(layout, g, segments)
+    entries = decode(layout, g, segment)
     entry_grads = _entry_gradients(grads, entries, g)
     return over_minibatches(
         g,
@@ -174,10 +174,11 @@ def _apply(
     axis = mesh_axis(mesh)
     spec, replicated = PartitionSpec(axis), PartitionSpec()
     step = jnp.asarray(step, jnp.int32)
-    updated = {}
+    updated, start = {}, 0
     for g in geometries:
         learning_rate = jnp.asarray(g.optimizer.get_learning_rate(step), jnp.float32)
-        segments = None if index is None else (index.segment[g.name], index.valid[g.name])
+        segment = None if index is None else index.segments[:, start : start + g.capacity]
+        start += g.capacity
         update = jax.shard_map(
             functools.partial(update_stack, geometry=g, axis=axis),
             mesh=mesh,
@@ -190,7 +191,7 @@ def _apply(
             variables[g.name],
             learning_rate,
             step,
-            segments,
+            segment,
         )
     return updated
 
@@ -203,16 +204,14 @@ def _checked_index(index: Any, call) -> LayoutIndex | None:
             "layout_index must be the LayoutIndex sparse_dense_matmul returns with "
             f"return_layout_index=True, got {type(index).__name__}."
         )
-    for g in call.geometries:
-        for field in LayoutIndex._fields:
-            value = getattr(index, field).get(g.name)
-            expected = (g.devices * g.slots, g.capacity)
-            if value is None or tuple(value.shape) != expected:
-                raise ValueError(
-                    f"Stack {g.name!r}: layout_index.{field} has shape "
-                    f"{None if value is None else list(value.shape)}, expected "
-                    f"{list(expected)}; pass the index the forward of this input returned."
-                )
+    first = call.geometries[0]
+    expected = (first.devices * first.slots, sum(g.capacity for g in call.geometries))
+    if tuple(index.segments.shape) != expected:
+        raise ValueError(
+            f"layout_index.segments has shape {list(index.segments.shape)}, expected "
+            f"{list(expected)} (stacks {', '.join(g.name for g in call.geometries)}); pass the "
+            "index the forward of this input returned."
+        )
     return index
 
 
