@@ -13,10 +13,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
 import embedding
+import parallel
 from sparseflow import _model
 
 
@@ -70,14 +72,15 @@ class Stages:
     enable_minibatching: bool
 
     def sc_fwd(self, sparse_inputs, embedding_variables):
-        """Lookup; `sc_fwd_aux` is the batch's `embedding.LayoutIndex`.
+        """Lookup: `(float32[batch, sum of dims] stacked activations, LayoutIndex)`.
 
-        The index travels with the batch to its update (through `tc_aux`),
-        which then does not read the layout again: in a pipelined step the
-        update and the lookup see different batches, so XLA cannot share
-        that work between them as it does in the sequential step.
+        The activations leave the stage stacked (`stack`), and the index
+        travels with the batch to its update (through `tc_aux`), which then
+        does not read the layout again: in a pipelined step the update and
+        the lookup see different batches, so XLA cannot share that work
+        between them as it does in the sequential step.
         """
-        return embedding.sparse_dense_matmul(
+        activations, index = embedding.sparse_dense_matmul(
             sparse_inputs,
             embedding_variables,
             self.feature_specs,
@@ -85,8 +88,32 @@ class Stages:
             enable_minibatching=self.enable_minibatching,
             return_layout_index=True,
         )
+        return self.stack(activations), index
 
-    def tc(self, activations, dense_inputs: DenseInputs, state: TrainState, sc_fwd_aux):
+    def stack(self, per_feature: Mapping[str, jax.Array]) -> jax.Array:
+        """`float32[batch, sum of dims]`: per-feature `float32[batch, dim]`
+        arrays side by side, in name order.
+
+        The pipeline state holds a batch's activations and gradients from one
+        step to the next; as one array each they cost one buffer per device
+        instead of one per feature, on every call.
+        """
+        return jnp.concatenate([per_feature[name] for name in sorted(self.feature_specs)], axis=1)
+
+    def unstack(self, stacked: jax.Array) -> dict[str, jax.Array]:
+        """The inverse of `stack`."""
+        names = sorted(self.feature_specs)
+        dims = [self.feature_specs[name].table_spec.embedding_dim for name in names]
+        return dict(zip(names, jnp.split(stacked, np.cumsum(dims)[:-1], axis=1), strict=True))
+
+    @functools.cached_property
+    def tc(self):
+        """The TC stage on stacked activations and gradients (`tc_per_feature` inside)."""
+        return parallel.unstacked_tc_function(
+            self.tc_per_feature, unstack_activations=self.unstack, stack_gradients=self.stack
+        )
+
+    def tc_per_feature(self, activations, dense_inputs: DenseInputs, state: TrainState, sc_fwd_aux):
         """Dense forward/backward and update.
 
         `tc_aux` is `(step, layout_index)`: the batch's training step and
@@ -108,9 +135,10 @@ class Stages:
         )
 
     def sc_bwd(self, sparse_inputs, activation_grads, embedding_variables, tc_aux):
+        """Update from stacked activation gradients."""
         step, layout_index = tc_aux
         tables = embedding.apply_gradients(
-            activation_grads,
+            self.unstack(activation_grads),
             sparse_inputs,
             embedding_variables,
             self.feature_specs,
@@ -142,7 +170,7 @@ class Stages:
 
         def logits(params, tables, sparse_inputs, dense_inputs):
             activations, _ = self.sc_fwd(sparse_inputs, tables)
-            return _model.forward(params, dense_inputs.dense, activations)
+            return _model.forward(params, dense_inputs.dense, self.unstack(activations))
 
         return jax.jit(logits)
 
