@@ -129,8 +129,13 @@ def loss_fn(
 
 
 def dense_optimizer(config: ModelConfig) -> optax.GradientTransformation:
-    """The optimizer of the dense parameters."""
-    return optax.adam(config.learning_rate)
+    """The optimizer of the dense parameters.
+
+    Adam on the parameters flattened into one vector: the same elementwise
+    update, with a state of three arrays instead of two per parameter. Every
+    array a step returns costs a buffer per device on each call.
+    """
+    return optax.flatten(optax.adam(config.learning_rate))
 
 
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
