@@ -1,0 +1,33 @@
+"""The training stages' stacking of per-feature activations and gradients."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from sparseflow import _steps
+
+
+def _stages(dims: dict[str, int]) -> _steps.Stages:
+    specs = {
+        name: SimpleNamespace(table_spec=SimpleNamespace(embedding_dim=d))
+        for name, d in dims.items()
+    }
+    return _steps.Stages(specs, mesh=None, optimizer=None, enable_minibatching=False)
+
+
+def test_stack_puts_features_side_by_side_in_name_order_and_unstack_inverts_it():
+    dims = {"query": 3, "ad": 2, "user": 4, "geo": 2}
+    stages = _stages(dims)
+    rng = np.random.default_rng(0)
+    per_feature = {name: rng.normal(size=(6, d)).astype(np.float32) for name, d in dims.items()}
+
+    stacked = np.asarray(stages.stack(per_feature))
+    expected = np.concatenate(
+        [per_feature[name] for name in ("ad", "geo", "query", "user")], axis=1
+    )
+    np.testing.assert_array_equal(stacked, expected)
+
+    back = stages.unstack(stacked)
+    assert sorted(back) == sorted(dims)
+    for name, value in per_feature.items():
+        np.testing.assert_array_equal(np.asarray(back[name]), value)
