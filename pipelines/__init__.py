@@ -9,6 +9,7 @@ from pipelines._batching import BatchingConfig
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
 from pipelines._grain import GrainOptions, make_grain_iterator
 from pipelines._host_iterator import HostIterator
+from pipelines._packing import PackedInput, PackedLayout, pack
 from pipelines._parse import (
     BadRecordError,
     FeatureLayout,
@@ -41,6 +42,8 @@ __all__ = [
     "HostBatch",
     "HostIterator",
     "InputRecordError",
+    "PackedInput",
+    "PackedLayout",
     "ParsedBatch",
     "PipelineStats",
     "PreprocessConfig",
@@ -49,6 +52,7 @@ __all__ = [
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",
+    "pack",
     "parse_examples",
     "parse_examples_lenient",
     "read_records",

@@ -4,8 +4,10 @@ Every array of a `HostBatch` is this host's share of a global array whose
 dim 0 follows the devices of the 1-D mesh: the layout arrays per stacked
 table (`[L * ...]` per host -> `[G * ...]`), `num_minibatches` (`[L]` ->
 `[G]`), the dense features and the labels (`[host_batch, ...]` ->
-`[global_batch, ...]`). `jax.make_array_from_process_local_data` assembles
-them, device d holding its own slice.
+`[global_batch, ...]`). The layout arrays are first packed into one
+`int32[L, width]` array (`PackedInput`), so a batch is three transfers, not
+one per array. `jax.make_array_from_process_local_data` assembles them,
+device d holding its own slice.
 
 `DeviceIterator` does this in a background thread that keeps up to
 `buffer_size` batches on the devices ahead of the training loop, and keeps,
@@ -27,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
 from pipelines._host_iterator import HostIterator
+from pipelines._packing import PackedInput, pack
 from pipelines._preprocess_stage import HostBatch
 
 _PUT_POLL_S = 0.1
@@ -37,17 +40,24 @@ class DeviceBatch(NamedTuple):
 
     Attributes:
       batch_number: the global batch's index.
-      preprocessed: the layout as global arrays sharded over the mesh on dim
-        0 (`row_pointers` `int32[G * ...]`, ..., `num_minibatches` `int32[G]`),
-        the input of `embedding.sparse_dense_matmul`.
+      sparse: the layout, packed (`PackedInput`, a global `int32[G, width]`
+        sharded by rows); pass it to a jitted step and `unpack()` it there
+        into the input of `embedding.sparse_dense_matmul`.
       dense: `float32[global_batch, num_dense_features]`, sharded by rows.
       labels: `int32[global_batch]`, sharded by rows.
     """
 
     batch_number: int
-    preprocessed: embedding.PreprocessedInput
+    sparse: PackedInput
     dense: jax.Array
     labels: jax.Array
+
+    @property
+    def preprocessed(self) -> embedding.PreprocessedInput:
+        """The layout as global arrays sharded over the mesh on dim 0
+        (`row_pointers` `int32[G * ...]`, ..., `num_minibatches` `int32[G]`),
+        unpacked outside a step (one small program per array)."""
+        return self.sparse.unpack()
 
 
 def _row_sharding(mesh: Mesh) -> NamedSharding:
@@ -76,13 +86,17 @@ def to_device_batch(batch: HostBatch, mesh: Mesh) -> DeviceBatch:
             f"mesh has {mesh.local_mesh.size} on this host; set local_device_count to "
             "mesh.local_mesh.size."
         )
+    packed = pack(batch.preprocessed, local)
     # One call for the whole pytree: the transfers go out as one batch, not
     # one Python round trip per array.
-    preprocessed, dense, labels = jax.make_array_from_process_local_data(
-        sharding, (batch.preprocessed, batch.dense, batch.labels)
+    data, dense, labels = jax.make_array_from_process_local_data(
+        sharding, (packed.data, batch.dense, batch.labels)
     )
     return DeviceBatch(
-        batch_number=batch.batch_number, preprocessed=preprocessed, dense=dense, labels=labels
+        batch_number=batch.batch_number,
+        sparse=PackedInput(data, packed.layout),
+        dense=dense,
+        labels=labels,
     )
 
 

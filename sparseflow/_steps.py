@@ -2,6 +2,8 @@
 
 The three stage functions follow `parallel`'s stage protocols, so the same
 functions serve the pipelined step (`parallel.step`) and the sequential one.
+Their sparse inputs are a batch's packed layout (`pipelines.PackedInput`),
+unpacked inside the step.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class Stages:
         between them as it does in the sequential step.
         """
         activations, index = embedding.sparse_dense_matmul(
-            sparse_inputs,
+            sparse_inputs.unpack(),
             embedding_variables,
             self.feature_specs,
             self.mesh,
@@ -139,7 +141,7 @@ class Stages:
         step, layout_index = tc_aux
         tables = embedding.apply_gradients(
             self.unstack(activation_grads),
-            sparse_inputs,
+            sparse_inputs.unpack(),
             embedding_variables,
             self.feature_specs,
             self.mesh,

@@ -255,7 +255,7 @@ class _Run:
 def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
     sharding = NamedSharding(run.mesh, PartitionSpec(run.mesh.axis_names[0]))
     state = parallel.get_initial_state(
-        parallel.CurrentStepInput(batch.preprocessed, _dense_inputs(batch)),
+        parallel.CurrentStepInput(batch.sparse, _dense_inputs(batch)),
         run.state,
         run.tables,
         run.stages.sc_fwd,
@@ -354,7 +354,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
             _pipelined_call(run, pipelined_step, t, n, batch)
         else:
             run.state, run.tables, output = run.stages.sequential_step(
-                run.state, run.tables, batch.preprocessed, _dense_inputs(batch)
+                run.state, run.tables, batch.sparse, _dense_inputs(batch)
             )
             jax.block_until_ready((run.state, run.tables))
             run.record(output)
@@ -372,7 +372,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
 
 def _pipelined_call(run: _Run, pipelined_step, t: int, n: int, batch) -> None:
     if batch is not None:
-        pipeline_input = parallel.CurrentStepInput(batch.preprocessed, _dense_inputs(batch))
+        pipeline_input = parallel.CurrentStepInput(batch.sparse, _dense_inputs(batch))
     else:
         pipeline_input = _dummy_input(run.pipeline_state)
     valid = parallel.is_output_valid(t, n)
@@ -422,7 +422,7 @@ def evaluate(run: _Run, data) -> float:
             steps = min(steps, run.config.training.eval_batches)
         for _, batch in zip(range(steps), batches, strict=False):
             out = run.stages.eval_logits(
-                run.state.params, run.tables, batch.preprocessed, _dense_inputs(batch)
+                run.state.params, run.tables, batch.sparse, _dense_inputs(batch)
             )
             logits.append(_gathered(jax.block_until_ready(out)))
             labels.append(_gathered(batch.labels))

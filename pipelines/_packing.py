@@ -1,0 +1,105 @@
+"""A batch's layout arrays packed into one `int32` buffer per device.
+
+A preprocessed batch is many arrays (four per stacked table and the
+minibatch count) that always travel together. Every array costs a transfer
+when the batch is placed and a buffer per device each time a jitted step
+takes it (a pipelined step takes two batches' worth). Packed side by side,
+device by device, into one `int32[devices, width]` array, the batch is placed
+with one transfer and passed as one argument; `PackedInput.unpack` restores
+the arrays inside the step with slices and bitcasts that stay on each
+device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+import embedding
+
+
+class PackedLayout(NamedTuple):
+    """Where each array sits in a packed buffer (static, hashable).
+
+    Attributes:
+      treedef: the structure of the packed `embedding.PreprocessedInput`.
+      shapes: per leaf, one device's share: its shape with dim 0 divided by
+        the number of devices.
+      dtypes: per leaf, its dtype name (4-byte types only).
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class PackedInput:
+    """An `embedding.PreprocessedInput` packed into one array.
+
+    Attributes:
+      data: `int32[devices, width]`: row d holds device d's share of every
+        leaf, in leaf order, float leaves bit-cast to `int32`. Host numpy
+        over the local devices, or a global `jax.Array` sharded by rows.
+      layout: the static `PackedLayout` (pytree aux data, so `jax.jit`
+        traces `data` only).
+    """
+
+    def __init__(self, data: Any, layout: PackedLayout):
+        self.data = data
+        self.layout = layout
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("data"), self.data),), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: PackedLayout, children) -> PackedInput:
+        return cls(children[0], layout)
+
+    def unpack(self) -> embedding.PreprocessedInput:
+        """The arrays, each `[devices * share_0, ...]` (jit-compatible).
+
+        On a global array sharded by rows, each result keeps device d's
+        share on device d: the slices and reshapes never cross a row.
+        """
+        devices = self.data.shape[0]
+        leaves, offset = [], 0
+        for shape, dtype in zip(self.layout.shapes, self.layout.dtypes, strict=True):
+            width = int(np.prod(shape))
+            part = self.data[:, offset : offset + width]
+            offset += width
+            if dtype != "int32":
+                part = jax.lax.bitcast_convert_type(part, np.dtype(dtype))
+            leaves.append(part.reshape(devices * shape[0], *shape[1:]))
+        return jax.tree.unflatten(self.layout.treedef, leaves)
+
+
+def pack(preprocessed: embedding.PreprocessedInput, devices: int) -> PackedInput:
+    """Packs host arrays whose dim 0 runs over `devices` local devices.
+
+    Args:
+      preprocessed: numpy leaves, each `[devices * n, ...]` (device d's share
+        is rows `d * n` to `(d + 1) * n`), of 4-byte dtypes.
+      devices: the local devices the arrays were laid out for.
+
+    Raises:
+      ValueError: a leaf's dim 0 does not split over `devices`, or its dtype
+        is not 4 bytes wide.
+    """
+    leaves, treedef = jax.tree.flatten(preprocessed)
+    columns, shapes, dtypes = [], [], []
+    for leaf in leaves:
+        leaf = np.asarray(leaf)
+        if leaf.ndim == 0 or leaf.shape[0] % devices or leaf.dtype.itemsize != 4:
+            raise ValueError(
+                f"Cannot pack a layout array of shape {list(leaf.shape)} and dtype {leaf.dtype} "
+                f"over {devices} devices: dim 0 must split evenly and the dtype be 4 bytes wide."
+            )
+        columns.append(np.ascontiguousarray(leaf).reshape(devices, -1).view(np.int32))
+        shapes.append((leaf.shape[0] // devices, *leaf.shape[1:]))
+        dtypes.append(leaf.dtype.name)
+    return PackedInput(
+        np.concatenate(columns, axis=1), PackedLayout(treedef, tuple(shapes), tuple(dtypes))
+    )
