@@ -92,6 +92,14 @@ class Stages:
         )
         return self.stack(activations), index
 
+    @functools.cached_property
+    def feature_dims(self) -> dict[str, int]:
+        """The embedding dim of every feature, in name order (the stacking order)."""
+        return {
+            name: self.feature_specs[name].table_spec.embedding_dim
+            for name in sorted(self.feature_specs)
+        }
+
     def stack(self, per_feature: Mapping[str, jax.Array]) -> jax.Array:
         """`float32[batch, sum of dims]`: per-feature `float32[batch, dim]`
         arrays side by side, in name order.
@@ -100,13 +108,12 @@ class Stages:
         step to the next; as one array each they cost one buffer per device
         instead of one per feature, on every call.
         """
-        return jnp.concatenate([per_feature[name] for name in sorted(self.feature_specs)], axis=1)
+        return jnp.concatenate([per_feature[name] for name in self.feature_dims], axis=1)
 
     def unstack(self, stacked: jax.Array) -> dict[str, jax.Array]:
         """The inverse of `stack`."""
-        names = sorted(self.feature_specs)
-        dims = [self.feature_specs[name].table_spec.embedding_dim for name in names]
-        return dict(zip(names, jnp.split(stacked, np.cumsum(dims)[:-1], axis=1), strict=True))
+        splits = np.cumsum(list(self.feature_dims.values()))[:-1]
+        return dict(zip(self.feature_dims, jnp.split(stacked, splits, axis=1), strict=True))
 
     @functools.cached_property
     def tc(self):

@@ -62,11 +62,17 @@ def test_unpacking_in_a_jitted_program_keeps_each_devices_share_on_it(preprocess
     rows = NamedSharding(mesh, PartitionSpec("x"))
     packed = pipelines.pack(preprocessed, DEVICES)
     on_devices = pipelines.PackedInput(jax.device_put(packed.data, rows), packed.layout)
+    unpack = jax.jit(lambda p: p.unpack())
 
-    unpacked = jax.jit(lambda p: p.unpack(), out_shardings=rows)(on_devices)
+    unpacked = unpack(on_devices)
 
     _assert_same_bits(unpacked, preprocessed)
+    # Row sharding comes out of the program unasked, and nothing moves between devices.
+    compiled = unpack.lower(on_devices).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
+        assert collective not in compiled
     for got, expected in zip(jax.tree.leaves(unpacked), jax.tree.leaves(preprocessed)):
+        assert got.sharding.is_equivalent_to(rows, got.ndim)
         share = expected.shape[0] // DEVICES
         for shard in got.addressable_shards:
             device = jax.devices().index(shard.device)
