@@ -25,14 +25,22 @@ device placement).
     and over the steps after the first `WARMUP_STEPS` of each loop
     (compilation, worker start-up).
     `ratio_vs_in_memory` is live steps/s over in-memory steps/s for the
-    configured worker count (`training.workers`).
+    configured worker count (`training.workers`);
+  * contention: the in-memory loop once more per `--cpu-load-fractions`,
+    alternated with the others, while a thread sorts with numpy (the GIL
+    released) for that fraction of the 0-worker pipeline's CPU time per
+    batch (host preprocessing plus device placement) for every batch the
+    loop asks for. That work shares no lock and little memory with the
+    step, so its stall is about the least that input work of that CPU time
+    costs the step on this machine: the pipeline's stall against it tells
+    the pipeline's own overhead from the machine's contention.
 
 The machine's core count and load average are printed with the figures: the
 workers, the step and anything else running share its cores. The last line
 printed is one JSON object.
 
     python benchmarks/input_pipeline.py [--batches 40] [--steps 60] [--loop-workers 0,1,2]
-        [--repeats 2]
+        [--repeats 2] [--cpu-load-fractions 0.25,0.5,1]
 """
 
 from __future__ import annotations
@@ -48,12 +56,15 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
+import queue  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 from _alternating import add_repeats_argument, alternating  # noqa: E402
 
 import beam_jobs  # noqa: E402
@@ -147,6 +158,48 @@ class _Timed(Iterator):
         return next(self._batches)
 
 
+class CpuLoad:
+    """A thread that burns `cpu_ms` of CPU time for every batch asked of `each_batch`.
+
+    The work is numpy sorting of a small array, which releases the GIL: it
+    competes with the step for the cores only. Requests queue up when the
+    loop asks faster than the thread burns, as batches would with a slow
+    pipeline, but the loop never waits for them.
+    """
+
+    _SORTED = 4096  # about 0.1 ms a sort: fine enough steps to meet `cpu_ms`
+
+    def __init__(self, cpu_ms: float):
+        self._cpu_s = cpu_ms / 1e3
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._burn, name="cpu-load", daemon=True)
+        self.burned_s = 0.0
+        self.requests = 0
+
+    def __enter__(self) -> CpuLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._requests.put(False)
+        self._thread.join()
+
+    def each_batch(self, batches: Iterator) -> Iterator:
+        for batch in batches:
+            self.requests += 1
+            self._requests.put(True)
+            yield batch
+
+    def _burn(self) -> None:
+        values = np.random.default_rng(0).random(self._SORTED)
+        # A request left when the loop ends is dropped: the loop's time is taken.
+        while self._requests.get():
+            start = time.thread_time()
+            while time.thread_time() - start < self._cpu_s:
+                np.sort(values)
+            self.burned_s += time.thread_time() - start
+
+
 def time_loop(run: _train._Run, batches: Iterator, steps: int) -> tuple[float, float]:
     """(seconds, CPU seconds of this process) per step of the demo loop after the warm-up.
 
@@ -165,12 +218,31 @@ def time_loop(run: _train._Run, batches: Iterator, steps: int) -> tuple[float, f
 
 
 def measure_stall(
-    run: _train._Run, data: str, loop_workers: list[int], steps: int, repeats: int
+    run: _train._Run,
+    data: str,
+    loop_workers: list[int],
+    steps: int,
+    repeats: int,
+    host_cpu_ms: float,
+    load_fractions: list[str],
 ) -> dict:
-    """The in-memory loop's step, and the live loop's per worker count."""
+    """Per loop ("in_memory", a worker count, or a load fraction): its figures.
+
+    Args:
+      host_cpu_ms: the host pipeline's CPU ms per batch with 0 workers.
+      load_fractions: per loaded in-memory loop (`CpuLoad`), its CPU ms per
+        batch as a fraction (text) of `host_cpu_ms` plus the placement's.
+    """
     with host_iterator(run, data, 0) as host:
         host_batches = [next(host) for _ in range(IN_MEMORY_BATCHES)]
-    in_memory = [pipelines.to_device_batch(batch, run.mesh) for batch in host_batches]
+    in_memory, placement_cpu_s = [], []
+    for batch in host_batches:
+        cpu = time.process_time()
+        in_memory.append(pipelines.to_device_batch(batch, run.mesh))
+        placement_cpu_s.append(time.process_time() - cpu)
+    # The median leaves out the first placement's one-time set-up.
+    placement_ms = statistics.median(placement_cpu_s) * 1e3
+    cpu_loads = [(text, float(text) * (host_cpu_ms + placement_ms)) for text in load_fractions]
 
     def memory_batches(count: int) -> Iterator:
         return (in_memory[i % len(in_memory)] for i in range(count))
@@ -185,10 +257,20 @@ def measure_stall(
         ) as batches:
             return time_loop(run, batches, steps)
 
+    burned: dict[str, list[float]] = {name: [] for name, _ in cpu_loads}
+
+    def loaded_loop(name: str, cpu_ms: float) -> tuple[float, float]:
+        with CpuLoad(cpu_ms) as load:
+            timed = time_loop(run, load.each_batch(memory_batches(steps)), steps)
+        burned[name].append(load.burned_s / load.requests * 1e3)
+        return timed
+
     time_loop(run, memory_batches(WARMUP_STEPS + 2), WARMUP_STEPS + 2)  # compiles
-    loops = [("in_memory", in_memory_loop)] + [
-        (workers, functools.partial(live_loop, workers)) for workers in loop_workers
-    ]
+    loops = (
+        [("in_memory", in_memory_loop)]
+        + [(workers, functools.partial(live_loop, workers)) for workers in loop_workers]
+        + [(name, functools.partial(loaded_loop, name, ms)) for name, ms in cpu_loads]
+    )
     timed: dict = {name: [] for name, _ in loops}
     for repeat, (name, loop) in alternating(loops, repeats):
         timed[name].append(loop())
@@ -198,10 +280,13 @@ def measure_stall(
         step_s, cpu_s = (statistics.mean(column) for column in zip(*times, strict=True))
         figures[name] = {"step_ms": step_s * 1e3, "cpu_ms_per_step": cpu_s * 1e3}
     in_memory_ms = figures["in_memory"]["step_ms"]
-    for workers in loop_workers:
-        figures[workers]["input_stall_fraction"] = max(
-            0.0, 1 - in_memory_ms / figures[workers]["step_ms"]
+    for name in timed.keys() - {"in_memory"}:
+        figures[name]["input_stall_fraction"] = max(
+            0.0, 1 - in_memory_ms / figures[name]["step_ms"]
         )
+    for name, values in burned.items():
+        figures[name]["burned_cpu_ms_per_batch"] = statistics.mean(values)
+    figures["in_memory"]["placement_cpu_ms_per_batch"] = placement_ms
     return figures
 
 
@@ -212,6 +297,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--throughput-workers", default="0,1,2")
     parser.add_argument("--loop-workers", default="0,1,2")
+    parser.add_argument(
+        "--cpu-load-fractions",
+        default="0.25,0.5,1",
+        help="CPU loads of the contention loops, as fractions of the 0-worker pipeline's CPU "
+        "ms per batch (host preprocessing plus placement); empty: no contention loops. "
+        "Needs 0 in --throughput-workers.",
+    )
     add_repeats_argument(parser)
     args = parser.parse_args()
     if args.steps < WARMUP_STEPS + 2:
@@ -225,8 +317,22 @@ def main() -> None:
         for workers in _counts(args.throughput_workers):
             throughput[workers] = measure_throughput(run, data, workers, args.batches)
             print(f"{workers} workers: {throughput[workers]}", flush=True)
-        loops = measure_stall(run, data, _counts(args.loop_workers), args.steps, args.repeats)
+        fractions = [text for text in args.cpu_load_fractions.split(",") if text]
+        if fractions and 0 not in throughput:
+            parser.error("--cpu-load-fractions needs 0 in --throughput-workers.")
+        # Placement is measured with the in-memory batches: scale the loads there.
+        host_ms = throughput[0]["cpu_ms_per_batch"] if fractions else 0.0
+        loops = measure_stall(
+            run,
+            data,
+            _counts(args.loop_workers),
+            args.steps,
+            args.repeats,
+            host_ms,
+            fractions,
+        )
     in_memory = loops.pop("in_memory")
+    loads = {fraction: loops.pop(fraction) for fraction in fractions}
     configured = config.training.workers
     headline = loops.get(configured, next(iter(loops.values())))
     result = {
@@ -248,6 +354,10 @@ def main() -> None:
         "configured_workers": configured,
         "input_stall_fraction": round(headline["input_stall_fraction"], 3),
         "ratio_vs_in_memory": round(in_memory["step_ms"] / headline["step_ms"], 3),
+        "placement_cpu_ms_per_batch": round(in_memory["placement_cpu_ms_per_batch"], 2),
+        "cpu_load_ms_per_batch": _rounded(loads, "burned_cpu_ms_per_batch", 2),
+        "cpu_load_step_ms": _rounded(loads, "step_ms", 1),
+        "cpu_load_stall_fraction": _rounded(loads, "input_stall_fraction", 3),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
