@@ -10,8 +10,8 @@ device placement).
 
   * throughput: batches/s of the host iterator with 0, 1 and 2 Grain worker
     processes, after the batches buffered during start-up, and the CPU time
-    per batch of this process and of the workers together (on 2 cores every
-    CPU-ms of input work is taken from the training step);
+    per batch of this process and of the workers together (on 2 cores the
+    input work shares the cores with the training step);
   * input stall: the demo's training loop (`sparseflow._train`: the
     configured SC/TC pipelined step, the loss read back every step) runs
     `--steps` steps fed (a) from device batches already in memory and (b) by
@@ -235,13 +235,12 @@ def measure_stall(
     """
     with host_iterator(run, data, 0) as host:
         host_batches = [next(host) for _ in range(IN_MEMORY_BATCHES)]
-    in_memory, placement_cpu_s = [], []
+    in_memory = [pipelines.to_device_batch(batch, run.mesh) for batch in host_batches]
+    # Timed once placement is set up (the first placements cost several times more).
+    cpu = time.process_time()
     for batch in host_batches:
-        cpu = time.process_time()
-        in_memory.append(pipelines.to_device_batch(batch, run.mesh))
-        placement_cpu_s.append(time.process_time() - cpu)
-    # The median leaves out the first placement's one-time set-up.
-    placement_ms = statistics.median(placement_cpu_s) * 1e3
+        pipelines.to_device_batch(batch, run.mesh)
+    placement_ms = (time.process_time() - cpu) / len(host_batches) * 1e3
     cpu_loads = [(text, float(text) * (host_cpu_ms + placement_ms)) for text in load_fractions]
 
     def memory_batches(count: int) -> Iterator:
