@@ -307,6 +307,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < WARMUP_STEPS + 2:
         parser.error(f"--steps must be at least {WARMUP_STEPS + 2} (warm-up steps + 2).")
+    fractions = list(dict.fromkeys(text for text in args.cpu_load_fractions.split(",") if text))
+    if not all(_positive_number(text) for text in fractions):
+        parser.error(f"--cpu-load-fractions must be positive numbers, got {fractions}.")
+    if fractions and 0 not in _counts(args.throughput_workers):
+        parser.error("--cpu-load-fractions needs 0 in --throughput-workers.")
     config = load_config(args.config)
     with tempfile.TemporaryDirectory() as directory:
         data, fdo_dir = demo_inputs(config, directory)
@@ -316,9 +321,6 @@ def main() -> None:
         for workers in _counts(args.throughput_workers):
             throughput[workers] = measure_throughput(run, data, workers, args.batches)
             print(f"{workers} workers: {throughput[workers]}", flush=True)
-        fractions = [text for text in args.cpu_load_fractions.split(",") if text]
-        if fractions and 0 not in throughput:
-            parser.error("--cpu-load-fractions needs 0 in --throughput-workers.")
         # Placement is measured with the in-memory batches: scale the loads there.
         host_ms = throughput[0]["cpu_ms_per_batch"] if fractions else 0.0
         loops = measure_stall(
@@ -365,6 +367,13 @@ def main() -> None:
 
 def _counts(text: str) -> list[int]:
     return [int(count) for count in text.split(",")]
+
+
+def _positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def _rounded(figures: dict, key: str, digits: int) -> dict:
