@@ -236,7 +236,7 @@ def measure_stall(
     with host_iterator(run, data, 0) as host:
         host_batches = [next(host) for _ in range(IN_MEMORY_BATCHES)]
     in_memory = [pipelines.to_device_batch(batch, run.mesh) for batch in host_batches]
-    # Timed once placement is set up (the first placements cost several times more).
+    # Timed once placement is set up: the first placements cost more.
     cpu = time.process_time()
     for batch in host_batches:
         pipelines.to_device_batch(batch, run.mesh)
