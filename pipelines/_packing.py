@@ -8,6 +8,10 @@ device by device, into one `int32[devices, width]` array, the batch is placed
 with one transfer and passed as one argument; `PackedInput.unpack` restores
 the arrays inside the step with slices and bitcasts that stay on each
 device.
+
+Each device's row starts on a 64-byte boundary (rows are padded with zeros
+to a multiple of 16 columns): the CPU backend then places a row without
+copying it, which halves the placement's CPU time of a demo batch.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import jax
 import numpy as np
 
 import embedding
+
+_ROW_ALIGNMENT = 64  # bytes
+_ROW_COLUMNS = _ROW_ALIGNMENT // 4
 
 
 class PackedLayout(NamedTuple):
@@ -41,8 +48,10 @@ class PackedInput:
 
     Attributes:
       data: `int32[devices, width]`: row d holds device d's share of every
-        leaf, in leaf order, float leaves bit-cast to `int32`. Host numpy
-        over the local devices, or a global `jax.Array` sharded by rows.
+        leaf, in leaf order, float leaves bit-cast to `int32`, then zeros up
+        to a `width` that is a multiple of 16. Host numpy over the local
+        devices (each row on a 64-byte boundary), or a global `jax.Array`
+        sharded by rows.
       layout: the static `PackedLayout` (pytree aux data, so `jax.jit`
         traces `data` only).
     """
@@ -100,6 +109,18 @@ def pack(preprocessed: embedding.PreprocessedInput, devices: int) -> PackedInput
         columns.append(np.ascontiguousarray(leaf).reshape(devices, -1).view(np.int32))
         shapes.append((leaf.shape[0] // devices, *leaf.shape[1:]))
         dtypes.append(leaf.dtype.name)
-    return PackedInput(
-        np.concatenate(columns, axis=1), PackedLayout(treedef, tuple(shapes), tuple(dtypes))
-    )
+    data = _aligned_rows(devices, sum(column.shape[1] for column in columns))
+    offset = 0
+    for column in columns:
+        data[:, offset : offset + column.shape[1]] = column
+        offset += column.shape[1]
+    data[:, offset:] = 0
+    return PackedInput(data, PackedLayout(treedef, tuple(shapes), tuple(dtypes)))
+
+
+def _aligned_rows(devices: int, width: int) -> np.ndarray:
+    """`int32[devices, width rounded up to 16]` (uninitialized), rows 64-byte aligned."""
+    row_bytes = -(-width // _ROW_COLUMNS) * _ROW_ALIGNMENT
+    raw = np.empty(devices * row_bytes + _ROW_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ROW_ALIGNMENT
+    return raw[start : start + devices * row_bytes].view(np.int32).reshape(devices, row_bytes // 4)
