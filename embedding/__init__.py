@@ -22,7 +22,7 @@ from embedding._fdo import (
     write_fdo_stats,
 )
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
-from embedding._layout import LimitBreachError
+from embedding._layout import LimitBreachError, aligned_empty
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
 from embedding._optimizers import (
     AdagradOptimizerSpec,
@@ -88,6 +88,7 @@ __all__ = [
     "TableIdFrequency",
     "TableSettingInStack",
     "TableSpec",
+    "aligned_empty",
     "apply_fdo",
     "apply_gradients",
     "coo_buffer_size_per_device",

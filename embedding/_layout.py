@@ -100,7 +100,7 @@ def _round_up8(x: np.ndarray) -> np.ndarray:
     return (x + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
 
 
-def _aligned_empty(size: int, dtype) -> np.ndarray:
+def aligned_empty(size: int, dtype) -> np.ndarray:
     """`dtype[size]` (uninitialized) starting on a 64-byte boundary.
 
     On CPU devices, placing a host array whose device slices start on such
@@ -113,7 +113,7 @@ def _aligned_empty(size: int, dtype) -> np.ndarray:
 
 
 def _aligned_full(size: int, value, dtype) -> np.ndarray:
-    out = _aligned_empty(size, dtype)
+    out = aligned_empty(size, dtype)
     out.fill(value)
     return out
 

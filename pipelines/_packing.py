@@ -23,8 +23,9 @@ import numpy as np
 
 import embedding
 
-_ROW_ALIGNMENT = 64  # bytes
-_ROW_COLUMNS = _ROW_ALIGNMENT // 4
+# int32 columns in 64 bytes: rows of this width stay on the 64-byte
+# boundaries of `embedding.aligned_empty`.
+_ROW_COLUMNS = 16
 
 
 class PackedLayout(NamedTuple):
@@ -120,7 +121,5 @@ def pack(preprocessed: embedding.PreprocessedInput, devices: int) -> PackedInput
 
 def _aligned_rows(devices: int, width: int) -> np.ndarray:
     """`int32[devices, width rounded up to 16]` (uninitialized), rows 64-byte aligned."""
-    row_bytes = -(-width // _ROW_COLUMNS) * _ROW_ALIGNMENT
-    raw = np.empty(devices * row_bytes + _ROW_ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ROW_ALIGNMENT
-    return raw[start : start + devices * row_bytes].view(np.int32).reshape(devices, row_bytes // 4)
+    padded = -(-width // _ROW_COLUMNS) * _ROW_COLUMNS
+    return embedding.aligned_empty(devices * padded, np.int32).reshape(devices, padded)
