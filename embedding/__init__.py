@@ -37,6 +37,7 @@ from embedding._preprocess import (
     SparseDenseMatmulInputStats,
     coo_buffer_size_per_device,
     preprocess_sparse_dense_matmul_input,
+    preprocessed_input_shapes,
 )
 from embedding._specs import (
     Combiner,
@@ -101,6 +102,7 @@ __all__ = [
     "load_fdo_stats",
     "merge_fdo_stats",
     "preprocess_sparse_dense_matmul_input",
+    "preprocessed_input_shapes",
     "prepare_feature_specs_for_training",
     "set_stack_limits",
     "shard_tables",

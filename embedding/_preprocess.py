@@ -239,6 +239,14 @@ def _plan(
     return tuple(plans)
 
 
+def _prepared_plans(
+    feature_specs: Nested, local: int, global_: int, slots: int, minibatching: bool
+) -> tuple[Nested, tuple[_StackPlan, ...]]:
+    """The specs prepared for the geometry, and the layout plan of every stack."""
+    specs = prepare_feature_specs_for_training(feature_specs, global_, slots)
+    return specs, _plan(tuple(jax.tree.leaves(specs)), local, global_, slots, minibatching)
+
+
 def _stack_members(plan: _StackPlan, ids: list, weights: list | None, policy):
     members, invalid = [], 0
     for f in plan.features:
@@ -334,21 +342,18 @@ def preprocess_sparse_dense_matmul_input(
             "parallel.allreduce.AllReduceNode(...).interface()) so that the hosts agree."
         )
     policy = _invalid_id_policy(invalid_id_policy)
-    specs = prepare_feature_specs_for_training(
-        feature_specs, global_device_count, num_sc_per_device
+    specs, plans = _prepared_plans(
+        feature_specs,
+        local_device_count,
+        global_device_count,
+        num_sc_per_device,
+        enable_minibatching,
     )
     ids = _flatten_like(specs, features, "features")
     weights = (
         None
         if features_weights is None
         else _flatten_like(specs, features_weights, "features_weights")
-    )
-    plans = _plan(
-        tuple(jax.tree.leaves(specs)),
-        local_device_count,
-        global_device_count,
-        num_sc_per_device,
-        enable_minibatching,
     )
 
     def sort(plan: _StackPlan):
@@ -382,6 +387,61 @@ def preprocess_sparse_dense_matmul_input(
     invalid = {plan.name: count for plan, (_, count, _) in zip(plans, sorted_stacks)}
     num_minibatches = 1 if minibatches is None else int(minibatches[-1]) + 1
     return _assemble(layouts, invalid, local_device_count, has_leading_dimension, num_minibatches)
+
+
+def preprocessed_input_shapes(
+    feature_specs: Nested,
+    local_device_count: int,
+    global_device_count: int,
+    *,
+    num_sc_per_device: int,
+    has_leading_dimension: bool = False,
+    enable_minibatching: bool = False,
+) -> PreprocessedInput:
+    """The shapes and dtypes `preprocess_sparse_dense_matmul_input` returns.
+
+    They depend on the specs and the geometry only, never on a batch: the
+    layout's buffers are static. Use them to size buffers, or to compile a
+    step, before the first batch exists.
+
+    Args: as `preprocess_sparse_dense_matmul_input`.
+
+    Returns:
+      A `PreprocessedInput` whose leaves are `jax.ShapeDtypeStruct`s, keyed by
+      stack name like the preprocessing's output.
+
+    Raises:
+      ValueError: bad specs or geometry (as the preprocessing would).
+    """
+    _, plans = _prepared_plans(
+        feature_specs,
+        local_device_count,
+        global_device_count,
+        num_sc_per_device,
+        enable_minibatching,
+    )
+    local = local_device_count
+
+    def shaped(size: int, dtype) -> jax.ShapeDtypeStruct:
+        shape = (local, size // local) if has_leading_dimension else (size,)
+        return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+
+    def per_stack(size_of, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+        return {plan.name: shaped(size_of(plan.geometry), dtype) for plan in plans}
+
+    def row_pointers(g: LayoutGeometry) -> int:
+        return g.num_slots * g.max_minibatches * g.row_pointer_width
+
+    def buffer(g: LayoutGeometry) -> int:
+        return g.local_devices * g.coo_size
+
+    matmul_input = SparseDenseMatmulInput(
+        per_stack(row_pointers, np.int32),
+        per_stack(buffer, np.int32),
+        per_stack(buffer, np.int32),
+        per_stack(buffer, np.float32),
+    )
+    return PreprocessedInput(matmul_input, shaped(local, np.int32))
 
 
 def _invalid_id_policy(value: InvalidIdPolicy | str) -> InvalidIdPolicy:

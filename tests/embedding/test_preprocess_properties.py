@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import math
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -318,3 +319,27 @@ def test_every_drop_is_counted(s):
         count, _ = _direct_counts(s, features)
         in_output = int(np.count_nonzero(out.lhs_sample_ids[name] != 2**31 - 1))
         assert sum(count.values()) - in_output == stats.id_drop_counters[name]
+
+
+@given(scenarios(allow_id_dropping=True), st.booleans(), st.booleans())
+@EXAMPLES
+def test_static_shapes_are_the_outputs(s, leading, minibatching):
+    # Minibatching on several hosts needs an agreement group; one host suffices here.
+    minibatching = minibatching and s.local == s.global_
+    geometry = dict(num_sc_per_device=s.slots, has_leading_dimension=leading)
+    out, _ = embedding.preprocess_sparse_dense_matmul_input(
+        {k: _as_input(v, s.form, np.int64) for k, v in s.ids.items()},
+        None,
+        s.specs,
+        s.local,
+        s.global_,
+        allow_id_dropping=True,
+        invalid_id_policy="drop",
+        enable_minibatching=minibatching,
+        **geometry,
+    )
+    static = embedding.preprocessed_input_shapes(
+        s.specs, s.local, s.global_, enable_minibatching=minibatching, **geometry
+    )
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), out)
+    assert got == jax.tree.map(lambda x: (x.shape, x.dtype), static)
