@@ -9,7 +9,7 @@ from pipelines._batching import BatchingConfig
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
 from pipelines._grain import GrainOptions, make_grain_iterator
 from pipelines._host_iterator import HostIterator
-from pipelines._packing import PackedInput, PackedLayout, pack
+from pipelines._packing import PackedInput, PackedLayout, pack, packed_shape
 from pipelines._parse import (
     BadRecordError,
     FeatureLayout,
@@ -53,6 +53,7 @@ __all__ = [
     "make_grain_iterator",
     "make_tfdata_iterator",
     "pack",
+    "packed_shape",
     "parse_examples",
     "parse_examples_lenient",
     "read_records",

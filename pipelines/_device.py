@@ -4,10 +4,11 @@ Every array of a `HostBatch` is this host's share of a global array whose
 dim 0 follows the devices of the 1-D mesh: the layout arrays per stacked
 table (`[L * ...]` per host -> `[G * ...]`), `num_minibatches` (`[L]` ->
 `[G]`), the dense features and the labels (`[host_batch, ...]` ->
-`[global_batch, ...]`). The layout arrays are first packed into one
-`int32[L, width]` array (`PackedInput`), so a batch is three transfers, not
-one per array. `jax.make_array_from_process_local_data` assembles them,
-device d holding its own slice.
+`[global_batch, ...]`). The layout arrays come packed into one
+`int32[L, width]` array (`PackedInput`, packed where the batch was
+prepared), so a batch is three transfers, not one per array.
+`jax.make_array_from_process_local_data` assembles them, device d holding
+its own slice.
 
 `DeviceIterator` does this in a background thread that keeps up to
 `buffer_size` batches on the devices ahead of the training loop, and keeps,
@@ -29,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
 from pipelines._host_iterator import HostIterator
-from pipelines._packing import PackedInput, pack
+from pipelines._packing import PackedInput
 from pipelines._preprocess_stage import HostBatch
 
 _PUT_POLL_S = 0.1
@@ -79,22 +80,21 @@ def to_device_batch(batch: HostBatch, mesh: Mesh) -> DeviceBatch:
         the batch was preprocessed for.
     """
     sharding = _row_sharding(mesh)
-    local = batch.preprocessed.num_minibatches.shape[0]
+    local = batch.sparse.data.shape[0]
     if local != mesh.local_mesh.size:
         raise ValueError(
             f"Batch {batch.batch_number} was preprocessed for {local} local devices, the "
             f"mesh has {mesh.local_mesh.size} on this host; set local_device_count to "
             "mesh.local_mesh.size."
         )
-    packed = pack(batch.preprocessed, local)
     # One call for the whole pytree: the transfers go out as one batch, not
     # one Python round trip per array.
     data, dense, labels = jax.make_array_from_process_local_data(
-        sharding, (packed.data, batch.dense, batch.labels)
+        sharding, (batch.sparse.data, batch.dense, batch.labels)
     )
     return DeviceBatch(
         batch_number=batch.batch_number,
-        sparse=PackedInput(data, packed.layout),
+        sparse=PackedInput(data, batch.sparse.layout),
         dense=dense,
         labels=labels,
     )

@@ -72,8 +72,10 @@ class PackedInput:
         """The arrays, each `[devices * share_0, ...]` (jit-compatible).
 
         On a global array sharded by rows, each result keeps device d's
-        share on device d: the slices and reshapes never cross a row.
+        share on device d: the slices and reshapes never cross a row. On host
+        numpy, the results are numpy copies.
         """
+        host = isinstance(self.data, np.ndarray)
         devices = self.data.shape[0]
         leaves, offset = [], 0
         for shape, dtype in zip(self.layout.shapes, self.layout.dtypes, strict=True):
@@ -81,45 +83,79 @@ class PackedInput:
             part = self.data[:, offset : offset + width]
             offset += width
             if dtype != "int32":
-                part = jax.lax.bitcast_convert_type(part, np.dtype(dtype))
+                dtype = np.dtype(dtype)
+                part = part.view(dtype) if host else jax.lax.bitcast_convert_type(part, dtype)
             leaves.append(part.reshape(devices * shape[0], *shape[1:]))
         return jax.tree.unflatten(self.layout.treedef, leaves)
 
 
-def pack(preprocessed: embedding.PreprocessedInput, devices: int) -> PackedInput:
+def packed_shape(preprocessed: embedding.PreprocessedInput, devices: int) -> tuple[int, int]:
+    """`(devices, width)` of the packed array of a batch, from its arrays or their shapes.
+
+    Args:
+      preprocessed: numpy leaves, or anything with `shape` and `dtype` such
+        as `embedding.preprocessed_input_shapes(...)`.
+      devices: the local devices the arrays were laid out for.
+
+    Raises:
+      ValueError: as `pack`.
+    """
+    layout = _packed_layout(preprocessed, devices)
+    return devices, _padded(sum(int(np.prod(shape)) for shape in layout.shapes))
+
+
+def pack(
+    preprocessed: embedding.PreprocessedInput, devices: int, *, out: np.ndarray | None = None
+) -> PackedInput:
     """Packs host arrays whose dim 0 runs over `devices` local devices.
 
     Args:
       preprocessed: numpy leaves, each `[devices * n, ...]` (device d's share
         is rows `d * n` to `(d + 1) * n`), of 4-byte dtypes.
       devices: the local devices the arrays were laid out for.
+      out: `int32[devices, width]` to pack into (`width` as `packed_shape`
+        says); None: a new array whose rows start on 64-byte boundaries.
 
     Raises:
-      ValueError: a leaf's dim 0 does not split over `devices`, or its dtype
-        is not 4 bytes wide.
+      ValueError: a leaf's dim 0 does not split over `devices`, its dtype is
+        not 4 bytes wide, or `out` has another shape or dtype.
     """
-    leaves, treedef = jax.tree.flatten(preprocessed)
-    columns, shapes, dtypes = [], [], []
-    for leaf in leaves:
-        leaf = np.asarray(leaf)
-        if leaf.ndim == 0 or leaf.shape[0] % devices or leaf.dtype.itemsize != 4:
-            raise ValueError(
-                f"Cannot pack a layout array of shape {list(leaf.shape)} and dtype {leaf.dtype} "
-                f"over {devices} devices: dim 0 must split evenly and the dtype be 4 bytes wide."
-            )
-        columns.append(np.ascontiguousarray(leaf).reshape(devices, -1).view(np.int32))
-        shapes.append((leaf.shape[0] // devices, *leaf.shape[1:]))
-        dtypes.append(leaf.dtype.name)
-    data = _aligned_rows(devices, sum(column.shape[1] for column in columns))
+    layout = _packed_layout(preprocessed, devices)
+    columns = [
+        np.ascontiguousarray(leaf).reshape(devices, -1).view(np.int32)
+        for leaf in jax.tree.leaves(preprocessed)
+    ]
+    shape = (devices, _padded(sum(column.shape[1] for column in columns)))
+    if out is None:
+        out = embedding.aligned_empty(shape[0] * shape[1], np.int32).reshape(shape)
+    elif out.shape != shape or out.dtype != np.int32:
+        raise ValueError(
+            f"Cannot pack into an array of shape {list(out.shape)} and dtype {out.dtype}: "
+            f"this batch packs into int32{list(shape)}."
+        )
     offset = 0
     for column in columns:
-        data[:, offset : offset + column.shape[1]] = column
+        out[:, offset : offset + column.shape[1]] = column
         offset += column.shape[1]
-    data[:, offset:] = 0
-    return PackedInput(data, PackedLayout(treedef, tuple(shapes), tuple(dtypes)))
+    out[:, offset:] = 0
+    return PackedInput(out, layout)
 
 
-def _aligned_rows(devices: int, width: int) -> np.ndarray:
-    """`int32[devices, width rounded up to 16]` (uninitialized), rows 64-byte aligned."""
-    padded = -(-width // _ROW_COLUMNS) * _ROW_COLUMNS
-    return embedding.aligned_empty(devices * padded, np.int32).reshape(devices, padded)
+def _packed_layout(preprocessed: embedding.PreprocessedInput, devices: int) -> PackedLayout:
+    leaves, treedef = jax.tree.flatten(preprocessed)
+    shapes, dtypes = [], []
+    for leaf in leaves:
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        if not shape or shape[0] % devices or dtype.itemsize != 4:
+            raise ValueError(
+                f"Cannot pack a layout array of shape {list(shape)} and dtype {dtype} "
+                f"over {devices} devices: dim 0 must split evenly and the dtype be 4 bytes wide."
+            )
+        shapes.append((shape[0] // devices, *shape[1:]))
+        dtypes.append(dtype.name)
+    return PackedLayout(treedef, tuple(shapes), tuple(dtypes))
+
+
+def _padded(width: int) -> int:
+    """`width` rounded up to 16 columns: rows then stay on 64-byte boundaries."""
+    return -(-width // _ROW_COLUMNS) * _ROW_COLUMNS

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +27,7 @@ import numpy as np
 import embedding
 from parallel import allreduce
 from pipelines._batching import BatchingConfig, BatchPlan, RecordReader
+from pipelines._packing import PackedInput, pack
 from pipelines._parse import (
     BadRecordError,
     FeatureLayout,
@@ -199,20 +200,25 @@ class HostBatch(NamedTuple):
 
     Attributes:
       batch_number: the global batch's index, the same on every host.
-      preprocessed: per stacked table, 1-D arrays over the local devices
-        (`row_pointers` `int32[L * ...]` etc., see
-        `embedding.preprocess_sparse_dense_matmul_input`); `num_minibatches`
-        `int32[L]`.
+      sparse: the layout of every stacked table and the minibatch count,
+        packed into one `int32[L, width]` array (`PackedInput`; see
+        `embedding.preprocess_sparse_dense_matmul_input` for the arrays).
       dense: `float32[host_batch, num_dense_features]`.
       labels: `int32[host_batch]`.
       report: how preparing the batch went.
     """
 
     batch_number: int
-    preprocessed: embedding.PreprocessedInput
+    sparse: PackedInput
     dense: np.ndarray
     labels: np.ndarray
     report: BatchReport
+
+    @property
+    def preprocessed(self) -> embedding.PreprocessedInput:
+        """The layout's arrays, unpacked (numpy copies): `row_pointers`
+        `int32[L * ...]` etc. per stacked table, `num_minibatches` `int32[L]`."""
+        return self.sparse.unpack()
 
 
 class PreprocessStage:
@@ -238,6 +244,7 @@ class PreprocessStage:
         plan: BatchPlan,
         reader: RecordReader,
         read_s: float = 0.0,
+        allocate: Callable[[], np.ndarray | None] | None = None,
     ) -> HostBatch:
         """Prepares this host's rows of global batch `batch_number`.
 
@@ -247,6 +254,9 @@ class PreprocessStage:
           plan: the batching, to find fill-in records and name bad ones.
           reader: reads fill-in records.
           read_s: seconds the caller spent reading `records` (reported).
+          allocate: returns the `int32[L, width]` array to pack the layout
+            into (`packed_shape`), or None for a new one; called once the
+            batch is laid out.
 
         Raises:
           InputRecordError: a bad record with `on_bad_record="raise"`, or too
@@ -259,6 +269,8 @@ class PreprocessStage:
         parsed, bad_records, fill = self._parse(batch_number, records, plan, reader)
         parsed_at = time.perf_counter()
         preprocessed, stats = self._preprocess(batch_number, parsed, plan)
+        devices = self._config.local_device_count
+        sparse = pack(preprocessed, devices, out=None if allocate is None else allocate())
         report = BatchReport(
             records=len(records) + fill.records,
             bad_records=bad_records,
@@ -269,7 +281,7 @@ class PreprocessStage:
             invalid_ids={name: int(count) for name, count in stats.invalid_id_counters.items()},
             num_minibatches=int(preprocessed.num_minibatches[0]),
         )
-        return HostBatch(batch_number, preprocessed, parsed.dense, parsed.labels, report)
+        return HostBatch(batch_number, sparse, parsed.dense, parsed.labels, report)
 
     def close(self) -> None:
         """Closes this process's all-reduce node, if the stage created one."""

@@ -143,7 +143,8 @@ def reference_batch(records: list[bytes], config: pipelines.PreprocessConfig, nu
         allow_id_dropping=config.allow_id_dropping,
         invalid_id_policy=config.invalid_id_policy,
     )
-    batch = pipelines.HostBatch(number, preprocessed, parsed.dense, parsed.labels, None)
+    sparse = pipelines.pack(preprocessed, config.local_device_count)
+    batch = pipelines.HostBatch(number, sparse, parsed.dense, parsed.labels, None)
     return flat(batch), stats
 
 

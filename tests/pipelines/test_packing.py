@@ -120,3 +120,26 @@ def test_the_layout_is_static_under_jit():
 def test_arrays_that_cannot_be_packed_are_refused(leaf, message):
     with pytest.raises(ValueError, match=message):
         pipelines.pack({"row_pointers": leaf}, DEVICES)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(preprocessed_inputs())
+def test_packing_into_a_given_array_of_the_static_shape(preprocessed):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), preprocessed)
+    shape = pipelines.packed_shape(shapes, DEVICES)
+    out = np.full(shape, -1, np.int32)  # every column must be written, padding included
+    packed = pipelines.pack(preprocessed, DEVICES, out=out)
+    assert packed.data is out
+    np.testing.assert_array_equal(out, pipelines.pack(preprocessed, DEVICES).data)
+    _assert_same_bits(packed.unpack(), preprocessed)
+
+
+def test_packing_into_an_array_of_another_shape_is_refused():
+    leaf = np.zeros(DEVICES * 3, np.int32)
+    preprocessed = embedding.PreprocessedInput(
+        embedding.SparseDenseMatmulInput({"a": leaf}, {"a": leaf}, {"a": leaf}, {"a": leaf}),
+        num_minibatches=np.ones(DEVICES, np.int32),
+    )
+    rows, width = pipelines.packed_shape(preprocessed, DEVICES)
+    with pytest.raises(ValueError, match=rf"packs into int32\[{rows}, {width}\]"):
+        pipelines.pack(preprocessed, DEVICES, out=np.zeros((rows, width + 16), np.int32))
