@@ -8,11 +8,12 @@ The record schema, shared by the synthetic writer and the parser:
                        (only read when `num_dense_features > 0`).
   `label`              int64 list holding exactly one value, 0 or 1.
 
-`parse_examples` parses a whole batch with one `tf.io.parse_example` call and
-checks the result with numpy. Only when that fails are the records judged one
-by one, so a clean batch pays nothing for the per-record diagnosis, and a bad
-record is named (index within the batch, and why) instead of failing the batch
-with TF's message.
+`parse_examples` parses a whole batch in one compiled pass over the wire
+format (`_example_wire.py`), or, for records that pass does not vouch for,
+with one `tf.io.parse_example` call, and checks the result with numpy. Only
+when that fails are the records judged one by one, so a clean batch pays
+nothing for the per-record diagnosis, and a bad record is named (index within
+the batch, and why) instead of failing the batch with TF's message.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tensorflow as tf
 from google.protobuf import message as protobuf_message
 
 from embedding import RaggedIds
+from pipelines._example_wire import FLOAT_LIST, INT64_LIST, WireSchema, read_examples
 from pipelines._records import tf_error_reason
 
 DENSE_KEY = "dense"
@@ -259,37 +261,61 @@ def _tf_parser(layout: FeatureLayout) -> Callable[[tf.Tensor], dict[str, Any]]:
 
 
 def _parse_batch(records: list[bytes], layout: FeatureLayout) -> ParsedBatch:
-    """The fast path: one TF parse and vectorized checks.
+    """The fast path: one compiled (or else TF) parse and vectorized checks.
 
     Raises:
       _BatchRejected: TF rejects the batch, or a record fails the checks.
+    """
+    parsed = read_examples(records, _wire_schema(layout))
+    if parsed is None:
+        parsed = _tf_parse(records, layout)
+    ids = {name: RaggedIds(*parsed[name]) for name in layout.sparse}
+    weights = {
+        name: RaggedIds(*parsed[weights_key(name)])
+        for name in layout.sparse
+        if name in layout.weighted
+    }
+    labels = parsed[LABEL_KEY][0]
+    for index in _suspect_rows(ids, weights, labels):
+        reason = _record_problem(records[index], layout)
+        if reason:
+            raise _BatchRejected(reason)
+    dense = parsed[DENSE_KEY][0] if layout.num_dense_features else np.zeros(0, np.float32)
+    return ParsedBatch(
+        ids=ids,
+        weights=weights,
+        dense=dense.reshape(len(records), layout.num_dense_features),
+        labels=labels.astype(np.int32),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _wire_schema(layout: FeatureLayout) -> WireSchema:
+    keys = [(name, INT64_LIST, -1) for name in layout.sparse]
+    keys += [
+        (weights_key(name), FLOAT_LIST, -1) for name in layout.sparse if name in layout.weighted
+    ]
+    if layout.num_dense_features:
+        keys.append((DENSE_KEY, FLOAT_LIST, layout.num_dense_features))
+    keys.append((LABEL_KEY, INT64_LIST, 1))
+    return WireSchema(*(list(column) for column in zip(*keys, strict=True)))
+
+
+def _tf_parse(records: list[bytes], layout: FeatureLayout) -> dict[str, tuple]:
+    """`{key: (values, row_splits or None)}` (numpy) from `tf.io.parse_example`.
+
+    Raises:
+      _BatchRejected: TF rejects the batch.
     """
     try:
         tensors = _tf_parser(layout)(tf.constant(records, dtype=tf.string))
     # TF formats its message with the record's bytes, which need not be UTF-8.
     except (tf.errors.InvalidArgumentError, UnicodeDecodeError) as error:
         raise _BatchRejected("rejected by tf.io.parse_example") from error
-    ids = {name: _ragged_numpy(tensors[name]) for name in layout.sparse}
-    weights = {
-        name: _ragged_numpy(tensors[weights_key(name)])
-        for name in layout.sparse
-        if name in layout.weighted
+    return {
+        key: tuple(t.numpy() for t in value) if isinstance(value, tuple) else (value.numpy(), None)
+        for key, value in tensors.items()
     }
-    labels = tensors[LABEL_KEY].numpy()
-    for index in _suspect_rows(ids, weights, labels):
-        reason = _record_problem(records[index], layout)
-        if reason:
-            raise _BatchRejected(reason)
-    if layout.num_dense_features:
-        dense = tensors[DENSE_KEY].numpy()
-    else:
-        dense = np.zeros((len(records), 0), np.float32)
-    return ParsedBatch(ids=ids, weights=weights, dense=dense, labels=labels.astype(np.int32))
-
-
-def _ragged_numpy(parsed: tuple[tf.Tensor, tf.Tensor]) -> RaggedIds:
-    values, row_splits = parsed
-    return RaggedIds(values=values.numpy(), row_splits=row_splits.numpy())
 
 
 def _suspect_rows(
