@@ -7,7 +7,7 @@ dense features and labels.
 
 from pipelines._batching import BatchingConfig
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
-from pipelines._grain import GrainOptions, make_grain_iterator
+from pipelines._grain import GrainOptions, WorkerPriority, make_grain_iterator
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput, PackedLayout, pack, packed_shape
 from pipelines._parse import (
@@ -49,6 +49,7 @@ __all__ = [
     "PreprocessConfig",
     "SyntheticDataset",
     "SyntheticFeature",
+    "WorkerPriority",
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",

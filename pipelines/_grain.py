@@ -25,16 +25,22 @@ on the same workers. Restoring needs the same worker count.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import logging
+import os
 import time
 
 import grain
 import numpy as np
 from absl import flags
 
+import embedding
 from parallel import allreduce
 from pipelines._array_record import ArrayRecordReader
 from pipelines._batching import BatchingConfig, BatchPlan, FileOrder
 from pipelines._host_iterator import HostIterator
+from pipelines._packing import packed_shape
 from pipelines._preprocess_stage import (
     HostBatch,
     PreprocessConfig,
@@ -42,12 +48,26 @@ from pipelines._preprocess_stage import (
     check_batch_sizes,
 )
 from pipelines._records import PathOrPaths, list_record_files
+from pipelines._shared_buffers import SharedBatchBuffers
 from pipelines._shuffle import grain_epoch_order
 from pipelines._stats import PipelineStats
 
+_log = logging.getLogger(__name__)
 _NO_SHARED_MEMORY = 2**62
 # (worker index, worker count) of this process when it is a Grain worker.
 _worker: tuple[int, int] | None = None
+
+
+class WorkerPriority(str, enum.Enum):
+    """The CPU scheduling of Grain worker processes."""
+
+    IDLE = "idle"
+    """Run only on CPU time nothing else wants (Linux `SCHED_IDLE`): the
+    training step, whose device threads need every core at each collective,
+    is never delayed by input work; the workers keep up as long as the step
+    leaves cores idle part of the time."""
+    NORMAL = "normal"
+    """Share the cores with the training process as equals."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,12 +82,18 @@ class GrainOptions:
       read_threads: threads preparing batches in each process (each thread
         works on its own batch).
       read_buffer_size: batches each process's threads keep ready.
+      worker_priority: the workers' CPU scheduling (`WorkerPriority`).
+      shared_buffers: batches each worker can hand over in shared memory
+        without a copy (`SharedBatchBuffers`); beyond that many batches alive
+        in this process, or with 0, batches travel pickled.
     """
 
     worker_count: int = 0
     worker_buffer_size: int = 2
     read_threads: int = 1
     read_buffer_size: int = 2
+    worker_priority: WorkerPriority = WorkerPriority.IDLE
+    shared_buffers: int = 16
 
     def __post_init__(self):
         for name, minimum in (
@@ -75,10 +101,18 @@ class GrainOptions:
             ("worker_buffer_size", 1),
             ("read_threads", 1),
             ("read_buffer_size", 1),
+            ("shared_buffers", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+        try:
+            object.__setattr__(self, "worker_priority", WorkerPriority(self.worker_priority))
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in WorkerPriority)
+            raise ValueError(
+                f"worker_priority must be one of {choices}; got {self.worker_priority!r}."
+            ) from None
 
 
 class GrainShuffle:
@@ -95,20 +129,41 @@ class GrainShuffle:
         return grain_epoch_order(self._num_records, self._seed, epoch, positions)
 
 
-def _init_worker(worker_index: int, worker_count: int) -> None:
-    """Grain's `worker_init_fn`: joins worker `worker_index`'s agreement group."""
+def _init_worker(worker_index: int, worker_count: int, *, priority: WorkerPriority) -> None:
+    """Grain's `worker_init_fn`: sets the worker's priority, joins its agreement group."""
     global _worker
+    if priority is WorkerPriority.IDLE:
+        _idle_priority()
     allreduce.init_agreement_worker(worker_index, worker_count)
     _worker = (worker_index, worker_count)
+
+
+def _idle_priority() -> None:
+    """Puts every thread of this process under `SCHED_IDLE` (threads started later inherit it)."""
+    if not hasattr(os, "sched_setscheduler"):
+        _log.warning("This platform has no SCHED_IDLE; the Grain worker runs at normal priority.")
+        return
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(task), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
 
 
 class _PrepareBatch:
     """The map of the Grain dataset: batch number -> `HostBatch`."""
 
-    def __init__(self, plan: BatchPlan, reader: ArrayRecordReader, stage: PreprocessStage):
+    def __init__(
+        self,
+        plan: BatchPlan,
+        reader: ArrayRecordReader,
+        stage: PreprocessStage,
+        buffers: SharedBatchBuffers | None,
+    ):
         self._plan = plan
         self._reader = reader
         self._stage = stage
+        self._buffers = buffers
 
     def __call__(self, batch_number: int) -> HostBatch:
         batch_number = int(batch_number)
@@ -126,7 +181,12 @@ class _PrepareBatch:
             plan=self._plan,
             reader=self._reader,
             read_s=time.perf_counter() - start,
+            allocate=self._shared_buffer if self._buffers is not None else None,
         )
+
+    def _shared_buffer(self):
+        # In this process (no worker) a batch is not pickled: no slot needed.
+        return None if _worker is None else self._buffers.acquire(_worker[0])
 
 
 class _GrainSource:
@@ -184,9 +244,15 @@ def make_grain_iterator(
       ValueError: inconsistent settings, or a dataset smaller than one
         global batch.
     """
-    dataset, plan, stage = grain_dataset(
+    dataset, plan, stage, buffers = grain_dataset(
         data, batching=batching, preprocess=preprocess, options=options
     )
+
+    def close() -> None:
+        stage.close()
+        if buffers is not None:
+            buffers.close()
+
     pipeline = {
         "path": "grain",
         "num_records": plan.num_records,
@@ -198,7 +264,7 @@ def make_grain_iterator(
         pipeline=pipeline,
         num_batches=plan.num_batches,
         stats=PipelineStats("grain input", log_interval_s=log_interval_s),
-        on_close=stage.close,
+        on_close=close,
     )
 
 
@@ -208,11 +274,15 @@ def grain_dataset(
     batching: BatchingConfig,
     preprocess: PreprocessConfig,
     options: GrainOptions = GrainOptions(),
-) -> tuple[grain.IterDataset, BatchPlan, PreprocessStage]:
-    """The Grain dataset of `make_grain_iterator`, with its plan and stage.
+) -> tuple[grain.IterDataset, BatchPlan, PreprocessStage, SharedBatchBuffers | None]:
+    """The Grain dataset of `make_grain_iterator`, with its plan, stage and shared buffers.
+
+    Iterate the dataset once at a time: its workers own the shared buffers.
 
     Returns:
-      `(dataset of HostBatch, the batch plan, the preprocessing stage)`.
+      `(dataset of HostBatch, the batch plan, the preprocessing stage, the
+      workers' shared buffers or None)`; close the stage and the buffers
+      after the iterator.
     """
     check_batch_sizes(batching, preprocess)
     if not flags.FLAGS.is_parsed():
@@ -226,9 +296,10 @@ def grain_dataset(
     )
     plan = BatchPlan(config=batching, num_records=num_records, order=order)
     stage = PreprocessStage(preprocess)
+    buffers = _shared_buffers(preprocess, options)
     dataset = (
         grain.MapDataset.range(plan.num_batches)
-        .map(_PrepareBatch(plan, reader, stage))
+        .map(_PrepareBatch(plan, reader, stage, buffers))
         .to_iter_dataset(
             grain.ReadOptions(
                 num_threads=options.read_threads,
@@ -237,8 +308,9 @@ def grain_dataset(
         )
     )
     if options.worker_count:
-        # Batches travel from the workers pickled, not in shared memory, which
-        # Grain frees from a background thread and leaks at exit.
+        # Grain's own shared memory (a new block per array, freed from a
+        # background thread and leaked at exit) stays off: the packed layout
+        # travels in `buffers`, the rest of a batch pickled.
         dataset = grain.experimental.WithOptionsIterDataset(
             dataset, grain.experimental.DatasetOptions(min_shm_size=_NO_SHARED_MEMORY)
         ).mp_prefetch(
@@ -246,6 +318,36 @@ def grain_dataset(
                 num_workers=options.worker_count,
                 per_worker_buffer_size=options.worker_buffer_size,
             ),
-            worker_init_fn=_init_worker,
+            worker_init_fn=functools.partial(_init_worker, priority=options.worker_priority),
         )
-    return dataset, plan, stage
+    return dataset, plan, stage, buffers
+
+
+def _shared_buffers(
+    preprocess: PreprocessConfig, options: GrainOptions
+) -> SharedBatchBuffers | None:
+    """The workers' shared buffers, or None (no workers, none asked for, or no room)."""
+    if not options.worker_count or not options.shared_buffers:
+        return None
+    shapes = embedding.preprocessed_input_shapes(
+        preprocess.feature_specs,
+        preprocess.local_device_count,
+        preprocess.global_device_count,
+        num_sc_per_device=preprocess.num_sc_per_device,
+        enable_minibatching=preprocess.enable_minibatching,
+    )
+    try:
+        return SharedBatchBuffers(
+            workers=options.worker_count,
+            slots=options.shared_buffers,
+            shape=packed_shape(shapes, preprocess.local_device_count),
+        )
+    except OSError as error:
+        _log.warning(
+            "No shared memory for %d x %d batch buffers (%s): batches travel from the "
+            "Grain workers pickled, which costs this process a copy of each.",
+            options.worker_count,
+            options.shared_buffers,
+            error,
+        )
+        return None
