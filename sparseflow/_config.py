@@ -130,6 +130,8 @@ class TrainingConfig:
       log_every: steps between logged metrics.
       eval_batches: held-out batches evaluated at the end (None: all).
       workers: Grain worker processes per host (0: in-process).
+      worker_priority: the workers' CPU scheduling (`pipelines.WorkerPriority`):
+        "idle" runs them only on CPU time the training step leaves free.
       shuffle: shuffle the training records (seeded by `seed`) every epoch.
       epochs: passes over the training data when `steps` is None.
       fdo_headroom: factor applied to FDO limits.
@@ -143,6 +145,7 @@ class TrainingConfig:
     log_every: int = 10
     eval_batches: int | None = None
     workers: int = 0
+    worker_priority: pipelines.WorkerPriority = pipelines.WorkerPriority.IDLE
     shuffle: bool = True
     epochs: int = 1
     fdo_headroom: float = 1.1
@@ -419,6 +422,7 @@ def _model(node: _Node) -> ModelConfig:
 def _training(node: _Node) -> TrainingConfig:
     fields = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
     _mapping(node, (), tuple(fields))
+    priorities = tuple(p.value for p in pipelines.WorkerPriority)
     values = dict(
         steps=_int(node, "steps"),
         pipelined=_get(node, "pipelined", "bool", fields["pipelined"]),
@@ -426,6 +430,11 @@ def _training(node: _Node) -> TrainingConfig:
         log_every=_int(node, "log_every", fields["log_every"]),
         eval_batches=_int(node, "eval_batches"),
         workers=_int(node, "workers", fields["workers"], minimum=0),
+        worker_priority=pipelines.WorkerPriority(
+            _choice(node, "worker_priority", priorities, "worker priority")
+            if "worker_priority" in node.value
+            else fields["worker_priority"]
+        ),
         shuffle=_get(node, "shuffle", "bool", fields["shuffle"]),
         epochs=_int(node, "epochs", fields["epochs"]),
         fdo_headroom=_get(node, "fdo_headroom", "number", fields["fdo_headroom"]),

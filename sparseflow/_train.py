@@ -183,7 +183,10 @@ def _iterator(
         data,
         batching=batching,
         preprocess=preprocess,
-        options=pipelines.GrainOptions(worker_count=config.training.workers if training else 0),
+        options=pipelines.GrainOptions(
+            worker_count=config.training.workers if training else 0,
+            worker_priority=config.training.worker_priority,
+        ),
     )
     return pipelines.DeviceIterator(host, mesh)
 

@@ -176,6 +176,7 @@ def test_optional_sections_take_their_defaults(tmp_path):
     assert config.preprocessing.invalid_id_policy is embedding.InvalidIdPolicy.RAISE
     assert config.dataset.shards == 1
     assert not any(f.table_spec.is_stacked() for f in config.feature_specs.values())
+    assert config.training.worker_priority is pipelines.WorkerPriority.IDLE
 
 
 def test_absolute_dataset_dir_is_kept(tmp_path):
@@ -346,6 +347,10 @@ ERROR_CASES = {
         _set("preprocessing.invalid_ids", "ignore"),
         "preprocessing.invalid_ids: unknown invalid-id policy 'ignore'; choose one of: raise, drop",
     ),
+    "unknown worker priority": (
+        _set("training", {"workers": 1, "worker_priority": "high"}),
+        "training.worker_priority: unknown worker priority 'high'; choose one of: idle, normal",
+    ),
     "optimizer rejects a value": (
         _set("tables.0.optimizer.initial_accumulator_value", 0.0),
         "tables[0].optimizer: AdagradOptimizerSpec: initial_accumulator_value must be > 0",
@@ -436,6 +441,9 @@ def test_demo_config_has_the_documented_shape():
     assert all(1000 <= t.vocabulary_size <= 100_000 for t in config.tables.values())
     assert all(8 <= t.embedding_dim <= 16 for t in config.tables.values())
     assert (config.dataset.examples, config.dataset.eval_examples) == (50_000, 5_000)
+    # One idle-priority worker: input work must not take the step's cores.
+    assert config.training.workers == 1
+    assert config.training.worker_priority is pipelines.WorkerPriority.IDLE
 
 
 @pytest.mark.parametrize("name", ["demo.yaml"])
