@@ -9,7 +9,9 @@ Batches go through the Grain path (global shuffle, parse, preprocessing,
 device placement).
 
   * throughput: batches/s of the host iterator with 0, 1 and 2 Grain worker
-    processes, after the batches buffered during start-up, and the CPU time
+    processes (at the config's `training.worker_priority`; with idle
+    priority they run at full speed here, nothing else wanting the cores),
+    after the batches buffered during start-up, and the CPU time
     per batch of this process and of the workers together (on 2 cores the
     input work shares the cores with the training step);
   * input stall: the demo's training loop (`sparseflow._train`: the
@@ -353,6 +355,7 @@ def main() -> None:
         "live_cpu_ms_per_step": _rounded(loops, "cpu_ms_per_step", 1),
         "input_stall_fraction_by_workers": _rounded(loops, "input_stall_fraction", 3),
         "configured_workers": configured,
+        "worker_priority": config.training.worker_priority.value,
         "input_stall_fraction": round(headline["input_stall_fraction"], 3),
         "ratio_vs_in_memory": round(in_memory["step_ms"] / headline["step_ms"], 3),
         "placement_cpu_ms_per_batch": round(in_memory["placement_cpu_ms_per_batch"], 2),
