@@ -5,13 +5,12 @@ process copies it in and then places an array whose rows are not 64-byte
 aligned, which the CPU backend copies once more. On 2 cores that costs the
 training step about as much time as the copies take.
 
-`SharedBatchBuffers` is one file in shared memory (`/dev/shm`) that holds, for
-each worker, `slots` buffers of one packed batch each (`int32[devices,
-width]`, rows on 64-byte boundaries), mapped once by every process. A worker
-packs a batch straight into a free slot (`acquire`); the slot's array pickles
-as a reference (file, slot, generation), and unpickles in the training
-process as a numpy view of the same memory, which the CPU backend places
-without a copy.
+`SharedBatchBuffers` is one shared-memory file that holds, for each worker,
+`slots` buffers of one packed batch each (`int32[devices, width]`, rows on
+64-byte boundaries), mapped once by every process. A worker packs a batch
+straight into a free slot (`acquire`); the slot's array pickles as a reference
+(file, slot, generation), and unpickles in the training process as a numpy
+view of the same memory, which the CPU backend places without a copy.
 
 A slot is in use from `acquire` until every array that views it in the
 training process is gone, the device arrays that alias it included. Two
@@ -22,13 +21,17 @@ when they are equal. When no slot of a worker is free (the consumer holds
 more batches than there are slots), `acquire` returns None and the batch
 travels pickled: slower, never blocked, never overwritten while in use.
 
+On Linux the file is anonymous (`memfd_create`): the workers open it through
+the training process's `/proc/<pid>/fd`, and the kernel frees it when the last
+process that maps it ends, however it ends, so a killed run leaves nothing in
+`/dev/shm`. Elsewhere it is a temporary file, removed by `close()`.
+
 Only one iterator may run over a dataset's buffers at a time: two sets of
 workers with the same indices would share counters.
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import tempfile
@@ -37,7 +40,6 @@ import weakref
 
 import numpy as np
 
-_log = logging.getLogger(__name__)
 _PAGE = mmap.PAGESIZE
 _COUNTERS = 2  # published, released
 # Regions mapped by this process, by path; arrays viewing a region keep it mapped.
@@ -60,11 +62,10 @@ class SharedBatchBuffers:
         alive at once (prefetch buffers, steps in flight) plus those the
         worker prepares ahead.
       shape: `(devices, width)` of a packed batch (`pipelines.packed_shape`).
-      directory: where the file lives; default `/dev/shm` when it exists.
 
     Raises:
-      OSError: the file cannot be created at its full size (e.g. the shared
-        memory filesystem is too small).
+      OSError: the file cannot be created at its full size (not enough
+        shared memory).
     """
 
     def __init__(
@@ -73,7 +74,6 @@ class SharedBatchBuffers:
         workers: int,
         slots: int,
         shape: tuple[int, int],
-        directory: str | None = None,
     ):
         if workers < 1 or slots < 1:
             raise ValueError(f"workers and slots must be >= 1, got {workers} and {slots}.")
@@ -83,10 +83,10 @@ class SharedBatchBuffers:
         self._slot_bytes = _round_up(self._shape[0] * self._shape[1] * 4, _PAGE)
         self._header_bytes = _round_up(_COUNTERS * self._count * 8, _PAGE)
         self._size = self._header_bytes + self._count * self._slot_bytes
-        self._path = _create(self._size, directory)
+        self._fd, self._path, self._identity = _create(self._size)
         self._cursor = 0
         self._owner = True
-        self._region = _map(self._path, self._size)
+        self._region = _map(self._path, self._size, self._identity)
 
     @property
     def path(self) -> str:
@@ -114,20 +114,20 @@ class SharedBatchBuffers:
         return None
 
     def close(self) -> None:
-        """Removes the file (in the process that created it); live views stay valid."""
+        """Lets the file go (in the process that created it); live views stay valid."""
         with _regions_lock:
             _regions.pop(self._path, None)
         self._region = None
         if self._owner:
             self._owner = False
-            try:
+            if self._fd is not None:
+                os.close(self._fd)
+            else:
                 os.unlink(self._path)
-            except FileNotFoundError:
-                pass
 
     def _mapped(self) -> np.ndarray:
         if self._region is None:
-            self._region = _map(self._path, self._size)
+            self._region = _map(self._path, self._size, self._identity)
         return self._region
 
     def _counters(self, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +139,7 @@ class SharedBatchBuffers:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_region=None, _owner=False, _cursor=0)
+        state.update(_region=None, _owner=False, _cursor=0, _fd=None)
         return state
 
     def __del__(self):
@@ -158,7 +158,15 @@ class _SlotArray(np.ndarray):
         start = buffers._offset(index)
         flat = region[start : start + rows * width * 4].view(np.int32)
         array = flat.reshape(rows, width).view(cls)
-        array._slot = (buffers._path, buffers._size, buffers._count, index, generation, start)
+        array._slot = (
+            buffers._path,
+            buffers._identity,
+            buffers._size,
+            buffers._count,
+            index,
+            generation,
+            start,
+        )
         return array
 
     def __reduce__(self):
@@ -168,10 +176,17 @@ class _SlotArray(np.ndarray):
 
 
 def _attach(
-    path: str, size: int, count: int, index: int, generation: int, start: int, shape: tuple
+    path: str,
+    identity: tuple[int, int],
+    size: int,
+    count: int,
+    index: int,
+    generation: int,
+    start: int,
+    shape: tuple,
 ) -> np.ndarray:
     """Unpickles a slot in the training process: a view that releases the slot when collected."""
-    region = _map(path, size)
+    region = _map(path, size, identity)
     released = region[: _COUNTERS * count * 8].view(np.int64)[count:]
     return np.asarray(_SlotOwner(region, released, index, generation, start, shape))
 
@@ -195,18 +210,23 @@ def _release(released: np.ndarray, index: int, generation: int) -> None:
         released[index] = max(int(released[index]), generation)
 
 
-def _map(path: str, size: int) -> np.ndarray:
+def _map(path: str, size: int, identity: tuple[int, int]) -> np.ndarray:
     with _regions_lock:
         region = _regions.get(path)
         if region is None:
+            gone = RuntimeError(
+                f"The shared batch buffers {path} are gone: the input iterator that "
+                "created them was closed."
+            )
             try:
                 fd = os.open(path, os.O_RDWR)
             except FileNotFoundError as error:
-                raise RuntimeError(
-                    f"The shared batch buffers {path} are gone: the input iterator that "
-                    "created them was closed."
-                ) from error
+                raise gone from error
             try:
+                # A closed descriptor's number may name another file since.
+                status = os.fstat(fd)
+                if (status.st_dev, status.st_ino) != identity:
+                    raise gone
                 region = np.frombuffer(mmap.mmap(fd, size), np.uint8)
             finally:
                 os.close(fd)
@@ -214,20 +234,29 @@ def _map(path: str, size: int) -> np.ndarray:
         return region
 
 
-def _create(size: int, directory: str | None) -> str:
-    if directory is None:
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix="sparseflow-batches-", dir=directory)
+def _create(size: int) -> tuple[int | None, str, tuple[int, int]]:
+    """`(descriptor to keep open or None, path, (device, inode))` of a new file of `size` bytes."""
+    anonymous = hasattr(os, "memfd_create")
+    if anonymous:
+        fd = os.memfd_create("sparseflow-batches")
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+    else:
+        fd, path = tempfile.mkstemp(prefix="sparseflow-batches-")
     try:
-        # Reserves every page now: a shared-memory filesystem that runs out
-        # later would kill the process with SIGBUS on a write.
+        # Reserves every page now: running out of shared memory later would
+        # kill the process with SIGBUS on a write.
         os.posix_fallocate(fd, 0, size)
+        status = os.fstat(fd)
     except OSError:
         os.close(fd)
-        os.unlink(path)
+        if not anonymous:
+            os.unlink(path)
         raise
+    identity = (status.st_dev, status.st_ino)
+    if anonymous:
+        return fd, path, identity
     os.close(fd)
-    return path
+    return None, path, identity
 
 
 def _round_up(value: int, multiple: int) -> int:

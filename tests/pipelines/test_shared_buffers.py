@@ -5,6 +5,8 @@ import gc
 import multiprocessing
 import os
 import pickle
+import tempfile
+import time
 
 import jax
 import numpy as np
@@ -81,12 +83,11 @@ def test_device_arrays_that_alias_a_slot_keep_it_reserved(buffers):
     assert buffers.acquire(0) is not None
 
 
-def test_closing_removes_the_file_and_leaves_live_views_valid():
+def test_closing_lets_the_file_go_and_leaves_live_views_valid():
     ring = SharedBatchBuffers(workers=1, slots=2, shape=SHAPE)
     received = _handed_over(_filled(ring, 0, 3))
     late = pickle.dumps(_filled(ring, 0, 4))
     ring.close()
-    assert not os.path.exists(ring.path)
     np.testing.assert_array_equal(received, np.arange(256).reshape(SHAPE) + 3)
     with pytest.raises(RuntimeError, match="are gone"):
         pickle.loads(late)
@@ -134,16 +135,43 @@ def data(tmp_path_factory):
     return cases.write_dataset(str(tmp_path_factory.mktemp("shared")), 64)["arrayrecord"]
 
 
-def _mapped(path: str, address: int) -> bool:
-    """Whether `address` lies in this process's mapping of the file `path`."""
+def _in_shared_buffers(address: int) -> bool:
+    """Whether `address` lies in this process's mapping of a `SharedBatchBuffers` file."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip().removesuffix(" (deleted)") == path:
+            if len(fields) == 6 and "sparseflow-batches" in fields[5]:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 if start <= address < end:
                     return True
     return False
+
+
+def _holds_buffers(ring_creator) -> None:
+    """A process that creates shared buffers, writes a slot and waits to be killed."""
+    ring = SharedBatchBuffers(workers=1, slots=2, shape=SHAPE)
+    ring.acquire(0)[:] = 1
+    ring_creator.put(ring.path)
+    time.sleep(TIMEOUT_S)
+
+
+def test_a_killed_process_leaves_no_file_behind():
+    context = multiprocessing.get_context("spawn")
+    paths = context.Queue()
+    process = context.Process(target=_holds_buffers, args=(paths,))
+    process.start()
+    path = paths.get(timeout=TIMEOUT_S)
+    process.kill()
+    process.join(TIMEOUT_S)
+    assert not os.path.exists(path)
+    leftovers = [
+        name
+        for directory in ("/dev/shm", tempfile.gettempdir())
+        if os.path.isdir(directory)
+        for name in os.listdir(directory)
+        if name.startswith("sparseflow-batches")
+    ]
+    assert leftovers == []
 
 
 def _iterator(data, **options) -> pipelines.HostIterator:
@@ -167,11 +195,7 @@ def test_grain_workers_run_at_their_priority_and_hand_batches_over_in_place(data
             os.sched_getscheduler(int(task)) for task in os.listdir(f"/proc/{worker.pid}/task")
         }
         batches += list(iterator)
-        files = [name for name in os.listdir("/dev/shm") if name.startswith("sparseflow-")]
-        in_place = [
-            any(_mapped(f"/dev/shm/{name}", b.sparse.data.ctypes.data) for name in files)
-            for b in batches
-        ]
+        in_place = [_in_shared_buffers(b.sparse.data.ctypes.data) for b in batches]
     cases.assert_batches_equal([cases.flat(b) for b in batches], expected)
     want = os.SCHED_IDLE if priority is pipelines.WorkerPriority.IDLE else os.SCHED_OTHER
     assert policies == {want}
