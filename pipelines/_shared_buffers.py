@@ -90,11 +90,8 @@ class SharedBatchBuffers:
 
     @property
     def path(self) -> str:
+        """Where other processes open the file (while the creating process has not closed it)."""
         return self._path
-
-    @property
-    def slots(self) -> int:
-        return self._slots
 
     def acquire(self, worker: int) -> np.ndarray | None:
         """In worker `worker`: a free slot as `int32[devices, width]`, or None when none is free.
