@@ -46,6 +46,7 @@ from pipelines._preprocess_stage import (
     PreprocessConfig,
     PreprocessStage,
     check_batch_sizes,
+    checked_enum,
 )
 from pipelines._records import PathOrPaths, list_record_files
 from pipelines._shared_buffers import SharedBatchBuffers
@@ -106,13 +107,8 @@ class GrainOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-        try:
-            object.__setattr__(self, "worker_priority", WorkerPriority(self.worker_priority))
-        except ValueError:
-            choices = ", ".join(repr(p.value) for p in WorkerPriority)
-            raise ValueError(
-                f"worker_priority must be one of {choices}; got {self.worker_priority!r}."
-            ) from None
+        priority = checked_enum(WorkerPriority, self.worker_priority, "worker_priority")
+        object.__setattr__(self, "worker_priority", priority)
 
 
 class GrainShuffle:

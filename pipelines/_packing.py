@@ -100,8 +100,7 @@ def packed_shape(preprocessed: embedding.PreprocessedInput, devices: int) -> tup
     Raises:
       ValueError: as `pack`.
     """
-    layout = _packed_layout(preprocessed, devices)
-    return devices, _padded(sum(int(np.prod(shape)) for shape in layout.shapes))
+    return devices, _width(_packed_layout(preprocessed, devices))
 
 
 def pack(
@@ -125,7 +124,7 @@ def pack(
         np.ascontiguousarray(leaf).reshape(devices, -1).view(np.int32)
         for leaf in jax.tree.leaves(preprocessed)
     ]
-    shape = (devices, _padded(sum(column.shape[1] for column in columns)))
+    shape = (devices, _width(layout))
     if out is None:
         out = embedding.aligned_empty(shape[0] * shape[1], np.int32).reshape(shape)
     elif out.shape != shape or out.dtype != np.int32:
@@ -156,6 +155,8 @@ def _packed_layout(preprocessed: embedding.PreprocessedInput, devices: int) -> P
     return PackedLayout(treedef, tuple(shapes), tuple(dtypes))
 
 
-def _padded(width: int) -> int:
-    """`width` rounded up to 16 columns: rows then stay on 64-byte boundaries."""
+def _width(layout: PackedLayout) -> int:
+    """Columns of a packed row: every leaf's share, rounded up to 16 columns so
+    that rows stay on 64-byte boundaries."""
+    width = sum(int(np.prod(shape)) for shape in layout.shapes)
     return -(-width // _ROW_COLUMNS) * _ROW_COLUMNS

@@ -95,10 +95,12 @@ class PreprocessConfig:
         object.__setattr__(
             self,
             "invalid_id_policy",
-            _enum(embedding.InvalidIdPolicy, self.invalid_id_policy, "invalid_id_policy"),
+            checked_enum(embedding.InvalidIdPolicy, self.invalid_id_policy, "invalid_id_policy"),
         )
         object.__setattr__(
-            self, "on_bad_record", _enum(BadRecordPolicy, self.on_bad_record, "on_bad_record")
+            self,
+            "on_bad_record",
+            checked_enum(BadRecordPolicy, self.on_bad_record, "on_bad_record"),
         )
         for name in ("local_device_count", "global_device_count", "num_sc_per_device"):
             value = getattr(self, name)
@@ -167,7 +169,8 @@ class PreprocessConfig:
         return sizes.pop()
 
 
-def _enum(cls: type[enum.Enum], value, what: str):
+def checked_enum(cls: type[enum.Enum], value, what: str):
+    """`cls(value)`, or a ValueError naming `what` and the choices."""
     try:
         return cls(value)
     except ValueError:
