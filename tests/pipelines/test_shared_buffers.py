@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pipelines
+from pipelines import _grain
 from pipelines._shared_buffers import SharedBatchBuffers
 
 SHAPE = (8, 32)
@@ -202,3 +203,22 @@ def test_grain_workers_run_at_their_priority_and_hand_batches_over_in_place(data
     assert len(batches) == 4
     # The 16 slots outnumber the batches: every one comes in shared memory.
     assert all(in_place)
+
+
+def _initialized_worker(out) -> None:
+    _grain._init_worker(0, 1, priority=pipelines.WorkerPriority.NORMAL)
+    out.put(gc.get_freeze_count())
+
+
+def test_a_grain_worker_keeps_its_imports_out_of_full_collections():
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    process = context.Process(target=_initialized_worker, args=(out,))
+    process.start()
+    try:
+        frozen = out.get(timeout=TIMEOUT_S)
+    finally:
+        process.join(TIMEOUT_S)
+    assert process.exitcode == 0
+    # numpy, jax and the pipeline's modules: far more than a few objects.
+    assert frozen > 10_000

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
+import weakref
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +63,21 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def _leaves(result: _train.TrainResult) -> list[np.ndarray]:
     tree = (result.train_state, result.embedding_variables)
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+class _Node:
+    """An object that can be part of a reference cycle."""
+
+
+def test_the_loop_keeps_setup_objects_out_of_full_collections_until_it_ends():
+    cycle = _Node()
+    cycle.self = cycle
+    setup_garbage = weakref.ref(cycle)
+    del cycle
+    with _train._setup_objects_frozen():
+        assert setup_garbage() is None  # collected, not frozen
+        assert gc.get_freeze_count() > 10_000  # the imports: numpy, jax, ...
+    assert gc.get_freeze_count() == 0  # collected as usual after the loop
 
 
 def test_resume_after_a_crash_is_exact(small_run):
