@@ -106,11 +106,18 @@ def _field_end(data, position, end, wire_type):
     if wire_type == _FIXED32:
         return position + 4 if position + 4 <= end else -1
     if wire_type == _LEN:
-        length, position = _varint(data, position, end)
-        if position < 0 or length > np.uint64(end - position):
-            return -1
-        return position + np.int64(length)
+        return _payload(data, position, end)[1]
     return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _payload(data, position, end):
+    """`(start, stop)` of the length-delimited payload whose length is at `position`,
+    or `(-1, -1)` when malformed or running past `end`."""
+    length, position = _varint(data, position, end)
+    if position < 0 or length > np.uint64(end - position):
+        return -1, -1
+    return position, position + np.int64(length)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -139,14 +146,13 @@ def _count_values(data, start, stop, kind):
             return _UNSURE
         wire_type = np.int64(tag & np.uint64(7))
         if wire_type == _LEN:
-            length, position = _varint(data, position, stop)
-            if position < 0 or length > np.uint64(stop - position):
+            position, block_end = _payload(data, position, stop)
+            if position < 0:
                 return _UNSURE
-            block_end = position + np.int64(length)
             if kind == FLOAT_LIST:
-                if length % np.uint64(4):
+                if (block_end - position) % 4:
                     return _UNSURE
-                count += np.int64(length) // 4
+                count += (block_end - position) // 4
             else:
                 run = 0  # bytes of the current varint: at most 10
                 for j in range(position, block_end):
@@ -181,10 +187,11 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
         if position < 0:
             return False
         field, wire_type = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
-        payload_end = _field_end(data, position, stop, wire_type)
-        if payload_end < 0 or wire_type != _LEN or field < 1 or field > 2:
+        if wire_type != _LEN or field < 1 or field > 2:
             return False
-        _, payload = _varint(data, position, stop)
+        payload, payload_end = _payload(data, position, stop)
+        if payload < 0:
+            return False
         if field == 1:
             if key_start >= 0:
                 return False
@@ -209,10 +216,9 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
         or np.int64(tag >> np.uint64(3)) != kinds[k]
     ):
         return False
-    list_end = _field_end(data, position, value_stop, _LEN)
-    if list_end != value_stop:
+    list_start, list_end = _payload(data, position, value_stop)
+    if list_start < 0 or list_end != value_stop:
         return False
-    _, list_start = _varint(data, position, value_stop)
     count = _count_values(data, list_start, list_end, kinds[k])
     if count < 0:
         return False
@@ -233,18 +239,16 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
             if position < 0 or tag != np.uint64(1 << 3 | _LEN) or seen_features:
                 return False
             seen_features = True
-            features_end = _field_end(data, position, end, _LEN)
-            if features_end < 0:
+            position, features_end = _payload(data, position, end)
+            if position < 0:
                 return False
-            _, position = _varint(data, position, end)
             while position < features_end:
                 tag, position = _varint(data, position, features_end)
                 if position < 0 or tag != np.uint64(1 << 3 | _LEN):
                     return False
-                entry_end = _field_end(data, position, features_end, _LEN)
-                if entry_end < 0:
+                entry_start, entry_end = _payload(data, position, features_end)
+                if entry_start < 0:
                     return False
-                _, entry_start = _varint(data, position, features_end)
                 if not _read_entry(
                     data,
                     entry_start,

@@ -100,7 +100,7 @@ def packed_shape(preprocessed: embedding.PreprocessedInput, devices: int) -> tup
     Raises:
       ValueError: as `pack`.
     """
-    return devices, _width(_packed_layout(preprocessed, devices))
+    return devices, _width(_packed_layout(*jax.tree.flatten(preprocessed), devices))
 
 
 def pack(
@@ -119,11 +119,9 @@ def pack(
       ValueError: a leaf's dim 0 does not split over `devices`, its dtype is
         not 4 bytes wide, or `out` has another shape or dtype.
     """
-    layout = _packed_layout(preprocessed, devices)
-    columns = [
-        np.ascontiguousarray(leaf).reshape(devices, -1).view(np.int32)
-        for leaf in jax.tree.leaves(preprocessed)
-    ]
+    leaves, treedef = jax.tree.flatten(preprocessed)
+    layout = _packed_layout(leaves, treedef, devices)
+    columns = [np.ascontiguousarray(leaf).reshape(devices, -1).view(np.int32) for leaf in leaves]
     shape = (devices, _width(layout))
     if out is None:
         out = embedding.aligned_empty(shape[0] * shape[1], np.int32).reshape(shape)
@@ -140,8 +138,8 @@ def pack(
     return PackedInput(out, layout)
 
 
-def _packed_layout(preprocessed: embedding.PreprocessedInput, devices: int) -> PackedLayout:
-    leaves, treedef = jax.tree.flatten(preprocessed)
+def _packed_layout(leaves: list, treedef, devices: int) -> PackedLayout:
+    """The layout of the flattened arrays (or shapes) `leaves` of a `PreprocessedInput`."""
     shapes, dtypes = [], []
     for leaf in leaves:
         shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)

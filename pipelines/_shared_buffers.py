@@ -100,7 +100,7 @@ class SharedBatchBuffers:
         it sends a reference to the slot, not its bytes.
         """
         region = self._mapped()
-        published, released = self._counters(region)
+        published, released = _counters(region, self._count)
         first = worker * self._slots
         for step in range(self._slots):
             index = first + (self._cursor + step) % self._slots
@@ -126,10 +126,6 @@ class SharedBatchBuffers:
         if self._region is None:
             self._region = _map(self._path, self._size, self._identity)
         return self._region
-
-    def _counters(self, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        counters = region[: _COUNTERS * self._count * 8].view(np.int64)
-        return counters[: self._count], counters[self._count :]
 
     def _offset(self, index: int) -> int:
         return self._header_bytes + index * self._slot_bytes
@@ -184,8 +180,14 @@ def _attach(
 ) -> np.ndarray:
     """Unpickles a slot in the training process: a view that releases the slot when collected."""
     region = _map(path, size, identity)
-    released = region[: _COUNTERS * count * 8].view(np.int64)[count:]
+    _, released = _counters(region, count)
     return np.asarray(_SlotOwner(region, released, index, generation, start, shape))
+
+
+def _counters(region: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `published` and `released` counters (`int64[count]` each) at the head of `region`."""
+    counters = region[: _COUNTERS * count * 8].view(np.int64)
+    return counters[:count], counters[count:]
 
 
 class _SlotOwner:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import hashlib
 import json
 import os
@@ -319,6 +320,14 @@ def _choice(node: _Node, key: str, choices: Mapping[str, Any] | tuple[str, ...],
     return value
 
 
+def _enum_choice(node: _Node, key: str, default: enum.Enum, what: str) -> enum.Enum:
+    """The member of `default`'s enum named by the value at `key`, or `default` when absent."""
+    if key not in node.value:
+        return default
+    cls = type(default)
+    return cls(_choice(node, key, tuple(member.value for member in cls), what))
+
+
 def _spec_params(node: _Node, cls: type) -> dict[str, Any]:
     """The keyword arguments of a spec dataclass (numbers and flags) from `node`.
 
@@ -377,23 +386,15 @@ def _global_batch_size(node: _Node, mesh: MeshConfig) -> int:
 
 def _preprocessing(node: _Node) -> PreprocessingConfig:
     _mapping(node, (), ("allow_id_dropping", "invalid_ids", "enable_minibatching", "on_bad_record"))
-    policies = tuple(p.value for p in embedding.InvalidIdPolicy)
-    policy = (
-        _choice(node, "invalid_ids", policies, "invalid-id policy")
-        if "invalid_ids" in node.value
-        else "raise"
-    )
-    bad_records = tuple(p.value for p in pipelines.BadRecordPolicy)
-    on_bad_record = (
-        _choice(node, "on_bad_record", bad_records, "bad-record policy")
-        if "on_bad_record" in node.value
-        else "raise"
-    )
     return PreprocessingConfig(
         allow_id_dropping=_get(node, "allow_id_dropping", "bool", False),
-        invalid_id_policy=embedding.InvalidIdPolicy(policy),
+        invalid_id_policy=_enum_choice(
+            node, "invalid_ids", embedding.InvalidIdPolicy.RAISE, "invalid-id policy"
+        ),
         enable_minibatching=_get(node, "enable_minibatching", "bool", False),
-        on_bad_record=pipelines.BadRecordPolicy(on_bad_record),
+        on_bad_record=_enum_choice(
+            node, "on_bad_record", pipelines.BadRecordPolicy.RAISE, "bad-record policy"
+        ),
     )
 
 
@@ -422,7 +423,6 @@ def _model(node: _Node) -> ModelConfig:
 def _training(node: _Node) -> TrainingConfig:
     fields = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
     _mapping(node, (), tuple(fields))
-    priorities = tuple(p.value for p in pipelines.WorkerPriority)
     values = dict(
         steps=_int(node, "steps"),
         pipelined=_get(node, "pipelined", "bool", fields["pipelined"]),
@@ -430,10 +430,8 @@ def _training(node: _Node) -> TrainingConfig:
         log_every=_int(node, "log_every", fields["log_every"]),
         eval_batches=_int(node, "eval_batches"),
         workers=_int(node, "workers", fields["workers"], minimum=0),
-        worker_priority=pipelines.WorkerPriority(
-            _choice(node, "worker_priority", priorities, "worker priority")
-            if "worker_priority" in node.value
-            else fields["worker_priority"]
+        worker_priority=_enum_choice(
+            node, "worker_priority", fields["worker_priority"], "worker priority"
         ),
         shuffle=_get(node, "shuffle", "bool", fields["shuffle"]),
         epochs=_int(node, "epochs", fields["epochs"]),
