@@ -38,7 +38,10 @@ device placement).
     the pipeline's own overhead from the machine's contention.
 
 The machine's core count and load average are printed with the figures: the
-workers, the step and anything else running share its cores. The last line
+workers, the step and anything else running share its cores.
+`idle_cpu_ms_per_step` is the CPU time the in-memory loop leaves unused per
+step (cores x step time - the process's CPU time): the budget the input
+work of one batch has to fit in without taking CPU from the step. The last line
 printed is one JSON object.
 
     python benchmarks/input_pipeline.py [--batches 40] [--steps 60] [--loop-workers 0,1,2]
@@ -352,6 +355,7 @@ def main() -> None:
         "in_memory_step_ms": round(in_memory["step_ms"], 1),
         "live_step_ms": _rounded(loops, "step_ms", 1),
         "in_memory_cpu_ms_per_step": round(in_memory["cpu_ms_per_step"], 1),
+        "idle_cpu_ms_per_step": round(idle_cpu_ms_per_step(in_memory), 1),
         "live_cpu_ms_per_step": _rounded(loops, "cpu_ms_per_step", 1),
         "input_stall_fraction_by_workers": _rounded(loops, "input_stall_fraction", 3),
         "configured_workers": configured,
@@ -366,6 +370,16 @@ def main() -> None:
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))
+
+
+def idle_cpu_ms_per_step(in_memory: dict) -> float:
+    """CPU ms per step the in-memory loop leaves unused on this machine's cores.
+
+    The input work of a batch fits beside the step without slowing it only
+    if it needs less than this, and in the gaps the step leaves: compare it
+    with `input_cpu_ms_per_batch`.
+    """
+    return (os.cpu_count() or 1) * in_memory["step_ms"] - in_memory["cpu_ms_per_step"]
 
 
 def _counts(text: str) -> list[int]:
