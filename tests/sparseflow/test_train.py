@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
-import weakref
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import jax
