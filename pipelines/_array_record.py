@@ -1,25 +1,37 @@
 """Random access to a dataset of ArrayRecord files, a batch of records per call.
 
-One reader per file, opened once per process (after unpickling, in a Grain
-worker, on first use). A batch of dataset record indices is mapped to (file,
-position) with one numpy search, then each record is read on its own. Grain's
+A batch of dataset record indices is mapped to (file, position) with one
+numpy search, and each file's records are read in one call. Grain's
 `ArrayRecordDataSource` maps every index in Python and starts a thread pool
 per call, which at a few hundred records per batch costs more than the reads.
+
+Files of one uncompressed record per chunk (what `RecordFileWriter` writes)
+are memory-mapped and read by compiled code (`_riegeli.py`), checksums
+included: half the official reader's CPU time per record (1.5 against 2.9 us
+for the demo's 385-byte records, about half of it computing checksums). Any
+other ArrayRecord file is read with the official reader, one record per call.
+Files are opened once per process (after unpickling, in a Grain worker, on
+first use).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 from array_record.python import array_record_module
 
+from pipelines import _riegeli
 from pipelines._batching import RecordFiles
 from pipelines._records import RecordFormat, require_record_format
 
 # Random reads: a read-ahead buffer would only fetch records nobody asked for.
 _READER_OPTIONS = "readahead_buffer_size:0"
+# `RiegeliPostscript.magic` of ArrayRecord files.
+_ARRAY_RECORD_MAGIC = 0x71930E704FDAE05E
 
 
 class ArrayRecordReader:
@@ -38,8 +50,8 @@ class ArrayRecordReader:
         require_record_format(paths, RecordFormat.ARRAY_RECORD, "Grain", "make_tfdata_iterator")
         self._paths = tuple(paths)
         self._lock = threading.Lock()
-        self._readers = [_open(path) for path in self._paths]
-        counts = tuple(reader.num_records() for reader in self._readers)
+        self._sources = [_open(path) for path in self._paths]
+        counts = tuple(source.num_records for source in self._sources)
         self._files = RecordFiles(self._paths, counts)
         self._ends = np.cumsum(counts, dtype=np.int64)
         self._starts = self._ends - counts
@@ -48,12 +60,17 @@ class ArrayRecordReader:
     def files(self) -> RecordFiles:
         return self._files
 
+    @property
+    def mapped_files(self) -> tuple[bool, ...]:
+        """Per file, whether the compiled reader reads it (else the official one)."""
+        return tuple(isinstance(source, _MappedFile) for source in self._open_sources())
+
     def read(self, record_indices: Sequence[int] | np.ndarray) -> list[bytes]:
         """The records at `record_indices` (`int[k]`), in that order.
 
         Raises:
           IndexError: an index is outside the dataset.
-          ValueError: a file cannot be read (named).
+          ValueError: a record cannot be read (its file and position named).
         """
         indices = np.asarray(record_indices, np.int64).reshape(-1)
         if indices.size and not (0 <= indices.min() and indices.max() < self._ends[-1]):
@@ -62,40 +79,43 @@ class ArrayRecordReader:
                 f"Record {bad} is outside the dataset of {self._ends[-1]} records "
                 f"({len(self._paths)} files)."
             )
-        file_of = np.searchsorted(self._ends, indices, side="right").tolist()
-        positions = (indices - self._starts[file_of]).tolist()
-        readers = self._open_readers()
+        file_of = np.searchsorted(self._ends, indices, side="right")
+        positions = indices - self._starts[file_of]
+        sources = self._open_sources()
+        first = int(file_of[0]) if indices.size else 0
+        if indices.size and (file_of == first).all():
+            return self._read_file(sources, first, positions)
+        records: list = [None] * indices.size
+        for f in np.unique(file_of).tolist():
+            rows = np.flatnonzero(file_of == f)
+            for row, record in zip(
+                rows.tolist(), self._read_file(sources, f, positions[rows]), strict=True
+            ):
+                records[row] = record
+        return records
+
+    def _read_file(self, sources: list, f: int, positions: np.ndarray) -> list[bytes]:
         try:
-            # A one-record range read costs a fifth of a record in a
-            # `read(indices)` call, which sets up a parallel read each time.
-            return [readers[f].read(p, p + 1)[0] for f, p in zip(file_of, positions, strict=True)]
-        except RuntimeError:
-            self._raise_read_error(file_of, positions)
-            raise
-
-    def _raise_read_error(self, file_of: list[int], positions: list[int]) -> None:
-        """Finds the record that cannot be read and raises naming it and its file."""
-        for f, p in zip(file_of, positions, strict=True):
-            try:
-                self._readers[f].read(p, p + 1)
-            except RuntimeError as error:
-                raise ValueError(
-                    f"Record {p} of {self._paths[f]} cannot be read (corrupt or truncated "
-                    f"ArrayRecord file): {error}"
-                ) from error
-
-    def _open_readers(self) -> list[array_record_module.ArrayRecordReader]:
-        if None in self._readers:
+            return sources[f].read(positions)
+        except _Unsupported:
+            # A chunk the compiled reader does not decode (the first one it
+            # checked at opening did): the official reader takes the file over.
             with self._lock:
-                self._readers = [
-                    _open(path) if reader is None else reader
-                    for path, reader in zip(self._paths, self._readers, strict=True)
+                sources[f] = _OfficialFile(self._paths[f])
+            return sources[f].read(positions)
+
+    def _open_sources(self) -> list:
+        if None in self._sources:
+            with self._lock:
+                self._sources = [
+                    _open(path) if source is None else source
+                    for path, source in zip(self._paths, self._sources, strict=True)
                 ]
-        return self._readers
+        return self._sources
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_readers"] = [None] * len(self._paths)
+        state["_sources"] = [None] * len(self._paths)
         del state["_lock"]
         return state
 
@@ -104,11 +124,127 @@ class ArrayRecordReader:
         self._lock = threading.Lock()
 
 
-def _open(path: str) -> array_record_module.ArrayRecordReader:
+class _Unsupported(Exception):
+    """The file holds chunks the compiled reader does not decode."""
+
+
+def _open(path: str) -> _MappedFile | _OfficialFile:
+    official = _OfficialFile(path)
     try:
-        reader = array_record_module.ArrayRecordReader(path, _READER_OPTIONS)
-    except (RuntimeError, ValueError, OSError) as error:
-        raise ValueError(f"{path}: cannot open as an ArrayRecord file: {error}") from error
-    if not reader.ok():
-        raise ValueError(f"{path}: corrupt or truncated ArrayRecord file (the reader is not ok).")
-    return reader
+        return _MappedFile(path, official.num_records)
+    except _Unsupported:
+        return official
+
+
+def _read_error(path: str, position: int, reason) -> ValueError:
+    return ValueError(
+        f"Record {position} of {path} cannot be read (corrupt or truncated ArrayRecord "
+        f"file): {reason}"
+    )
+
+
+class _OfficialFile:
+    """One file read with the official reader, one record per call.
+
+    A one-record range read costs a fifth of a record in a `read(indices)`
+    call, which sets up a parallel read each time.
+    """
+
+    def __init__(self, path: str):
+        self._path = path
+        try:
+            self._reader = array_record_module.ArrayRecordReader(path, _READER_OPTIONS)
+        except (RuntimeError, ValueError, OSError) as error:
+            raise ValueError(f"{path}: cannot open as an ArrayRecord file: {error}") from error
+        if not self._reader.ok():
+            raise ValueError(
+                f"{path}: corrupt or truncated ArrayRecord file (the reader is not ok)."
+            )
+        self.num_records = self._reader.num_records()
+
+    def read(self, positions: np.ndarray) -> list[bytes]:
+        reader = self._reader
+        positions = positions.tolist()
+        try:
+            return [reader.read(p, p + 1)[0] for p in positions]
+        except RuntimeError:
+            for p in positions:
+                try:
+                    reader.read(p, p + 1)
+                except RuntimeError as error:
+                    raise _read_error(self._path, p, error) from error
+            raise
+
+
+class _MappedFile:
+    """One file of one-record uncompressed chunks, memory-mapped, with its chunk index.
+
+    Raises:
+      _Unsupported: the file has another layout (or its footer does not
+        check out: the official reader, which opened it, then reports).
+    """
+
+    def __init__(self, path: str, num_records: int):
+        self._path = path
+        with open(path, "rb") as handle:
+            self._size = os.fstat(handle.fileno()).st_size
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map.madvise(mmap.MADV_RANDOM)
+        self._file = np.frombuffer(self._map, np.uint8)
+        entries = self._chunk_index()
+        if entries.shape[0] != num_records or (entries[:, 2] != 1).any():
+            raise _Unsupported
+        self._chunk_positions = np.ascontiguousarray(entries[:, 0])
+        self._record_sizes = np.ascontiguousarray(entries[:, 1])
+        self.num_records = num_records
+        if num_records:
+            self.read(np.zeros(1, np.int64))
+
+    def _chunk_index(self) -> np.ndarray:
+        """`int64[chunks, 3]`: each chunk's position, decoded size and record count."""
+        if self._size < _riegeli.BLOCK_SIZE:
+            raise _Unsupported
+        data, ends = self._chunk_records(self._size - _riegeli.BLOCK_SIZE)
+        status, (footer_offset, magic) = _riegeli.varint_fields(data, ends[0], ends[1], 2)
+        if status != _riegeli.OK or magic != _ARRAY_RECORD_MAGIC:
+            raise _Unsupported
+        data, ends = self._chunk_records(int(footer_offset))
+        status, entries = _riegeli.footer_entries(data, ends)
+        if status != _riegeli.OK or (entries[:, 0] >= int(footer_offset)).any():
+            raise _Unsupported
+        return entries
+
+    def _chunk_records(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """`(data, ends)` of the simple chunk at `position` (see `simple_chunk_records`)."""
+        status, data, chunk_type, count, decoded = _riegeli.read_chunk(self._file, position)
+        if status != _riegeli.OK:
+            raise _Unsupported
+        status, ends = _riegeli.simple_chunk_records(data, chunk_type, count, decoded)
+        if status != _riegeli.OK or count < 1:
+            raise _Unsupported
+        return data, ends
+
+    def read(self, positions: np.ndarray) -> list[bytes]:
+        if os.stat(self._path).st_size != self._size:
+            # Reading a mapped page past a shortened file's end kills the
+            # process (SIGBUS): refuse instead (a file shortened between this
+            # check and the read still does).
+            raise ValueError(
+                f"{self._path} changed size since it was opened ({self._size} bytes, now "
+                f"{os.stat(self._path).st_size}); record files must not change while read."
+            )
+        sizes = self._record_sizes[positions]
+        out = np.empty(int(sizes.sum()), np.uint8)
+        ends = np.empty(positions.size, np.int64)
+        status, failed = _riegeli.read_single_records(
+            self._file, self._chunk_positions[positions], sizes, out, ends
+        )
+        if status == _riegeli.UNSUPPORTED:
+            raise _Unsupported
+        if status != _riegeli.OK:
+            raise _read_error(
+                self._path, int(positions[failed]), "a checksum or length does not match"
+            )
+        blob = out.tobytes()
+        starts = np.concatenate(([0], ends[:-1])).tolist()
+        return [blob[a:b] for a, b in zip(starts, ends.tolist(), strict=True)]

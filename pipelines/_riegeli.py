@@ -1,0 +1,272 @@
+"""Compiled reads of Riegeli chunks from a memory-mapped file.
+
+An ArrayRecord file is a Riegeli file: 64 KiB blocks, each starting with a
+24-byte block header, over which a stream of chunks runs; a chunk is a
+40-byte header and its data, and may cross block boundaries. Every block
+header, chunk header and chunk's data carries a HighwayHash-64 that is checked
+here as Riegeli checks it.
+
+Only what a random read of a one-record, uncompressed simple chunk needs is
+here (the layout `RecordFileWriter` writes). Anything else (compression,
+several records per chunk, transposed chunks) comes back as `UNSUPPORTED`, so
+the caller can hand the file to the official reader instead.
+
+Functions return a status: `OK`, `CORRUPT` (a checksum or length does not
+match, or the chunk runs past the end of the file) or `UNSUPPORTED`.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from pipelines._highway_hash import RIEGELI_KEY, highway_hash64
+
+BLOCK_SIZE = 1 << 16
+_BLOCK_HEADER_SIZE = 24
+_CHUNK_HEADER_SIZE = 40
+_SIMPLE_CHUNK = ord("r")
+_NO_COMPRESSION = 0
+
+OK = 0
+CORRUPT = 1
+UNSUPPORTED = 2
+
+
+@numba.njit(inline="always")
+def _u64(data, at):
+    value = np.uint64(0)
+    for k in range(8):
+        value |= np.uint64(data[at + k]) << np.uint64(8 * k)
+    return value
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather(file, position, size, out):
+    """Copies `size` chunk-stream bytes from file `position` into `out`, skipping
+    (and checking) the block headers on the way.
+
+    Returns:
+      `(status, position after the bytes)`.
+    """
+    written = 0
+    while written < size:
+        if position % BLOCK_SIZE == 0:
+            if position + _BLOCK_HEADER_SIZE > file.size:
+                return CORRUPT, position
+            if highway_hash64(file, position + 8, 16, RIEGELI_KEY) != _u64(file, position):
+                return CORRUPT, position
+            position += _BLOCK_HEADER_SIZE
+        take = min(size - written, BLOCK_SIZE - position % BLOCK_SIZE)
+        if position + take > file.size:
+            return CORRUPT, position
+        out[written : written + take] = file[position : position + take]
+        written += take
+        position += take
+    return OK, position
+
+
+@numba.njit(cache=True, nogil=True)
+def read_chunk(file, position):
+    """The chunk at file `position`, checked.
+
+    Args:
+      file: `uint8[file_size]`, the whole file.
+      position: where the chunk begins (a block boundary counts as before
+        its block header).
+
+    Returns:
+      `(status, data uint8[data_size], chunk_type, num_records, decoded_size)`.
+    """
+    header = np.empty(_CHUNK_HEADER_SIZE, np.uint8)
+    status, position = _gather(file, position, _CHUNK_HEADER_SIZE, header)
+    empty = np.empty(0, np.uint8)
+    if status != OK:
+        return status, empty, 0, 0, 0
+    if highway_hash64(header, 8, 32, RIEGELI_KEY) != _u64(header, 0):
+        return CORRUPT, empty, 0, 0, 0
+    data_size = _u64(header, 8)
+    type_and_count = _u64(header, 24)
+    decoded_size = np.int64(_u64(header, 32))
+    if data_size > np.uint64(file.size):
+        return CORRUPT, empty, 0, 0, 0
+    data = np.empty(np.int64(data_size), np.uint8)
+    status, _ = _gather(file, position, data.size, data)
+    if status != OK:
+        return status, empty, 0, 0, 0
+    if highway_hash64(data, 0, data.size, RIEGELI_KEY) != _u64(header, 16):
+        return CORRUPT, empty, 0, 0, 0
+    chunk_type = np.int64(type_and_count & np.uint64(0xFF))
+    num_records = np.int64(type_and_count >> np.uint64(8))
+    return OK, data, chunk_type, num_records, decoded_size
+
+
+@numba.njit(inline="always")
+def _varint(data, position, end):
+    """`(value, position after it)`; position -1 if it runs past `end` or 10 bytes."""
+    value = np.uint64(0)
+    for shift in range(0, 70, 7):
+        if position >= end:
+            return value, -1
+        byte = data[position]
+        position += 1
+        value |= np.uint64(byte & 0x7F) << np.uint64(shift)
+        if byte < 0x80:
+            return value, position
+    return value, -1
+
+
+@numba.njit(cache=True, nogil=True)
+def simple_chunk_records(data, chunk_type, num_records, decoded_size):
+    """Where the records of an uncompressed simple chunk lie in its data.
+
+    Returns:
+      `(status, ends int64[num_records + 1])`: record r is
+      `data[ends[r]:ends[r + 1]]`.
+    """
+    ends = np.empty(max(num_records, 0) + 1, np.int64)
+    if chunk_type != _SIMPLE_CHUNK or data.size == 0 or num_records < 0:
+        return UNSUPPORTED, ends
+    if data[0] != _NO_COMPRESSION:
+        return UNSUPPORTED, ends
+    sizes_size, position = _varint(data, 1, data.size)
+    if position < 0 or np.uint64(data.size - position) < sizes_size:
+        return CORRUPT, ends
+    sizes_end = position + np.int64(sizes_size)
+    ends[0] = sizes_end
+    for r in range(num_records):
+        size, position = _varint(data, position, sizes_end)
+        if position < 0 or np.uint64(data.size - ends[r]) < size:
+            return CORRUPT, ends
+        ends[r + 1] = ends[r] + np.int64(size)
+    if position != sizes_end or ends[num_records] != data.size:
+        return CORRUPT, ends
+    if ends[num_records] - sizes_end != decoded_size:
+        return CORRUPT, ends
+    return OK, ends
+
+
+@numba.njit(cache=True, nogil=True)
+def _single_record_in_block(file, position, size, out, written):
+    """Copies the record of the one-record chunk at `position` to `out[written:]`,
+    reading the file in place; for a chunk inside one block (the usual case:
+    no block header to skip, so nothing to gather and no allocation).
+
+    Returns:
+      `(status, copied)`: `copied` False when the chunk leaves the block.
+    """
+    offset = position % BLOCK_SIZE
+    if offset == 0 or offset + _CHUNK_HEADER_SIZE > BLOCK_SIZE:
+        return OK, False
+    if position + _CHUNK_HEADER_SIZE > file.size:
+        return CORRUPT, False
+    data_size = _u64(file, position + 8)
+    if data_size > np.uint64(BLOCK_SIZE - offset - _CHUNK_HEADER_SIZE):
+        return OK, False
+    data = position + _CHUNK_HEADER_SIZE
+    end = data + np.int64(data_size)
+    if end > file.size:
+        return CORRUPT, False
+    if highway_hash64(file, position + 8, 32, RIEGELI_KEY) != _u64(file, position):
+        return CORRUPT, False
+    if highway_hash64(file, data, end - data, RIEGELI_KEY) != _u64(file, position + 16):
+        return CORRUPT, False
+    type_and_count = _u64(file, position + 24)
+    if type_and_count != np.uint64(1 << 8 | _SIMPLE_CHUNK) or data == end:
+        return UNSUPPORTED, False
+    if file[data] != _NO_COMPRESSION:
+        return UNSUPPORTED, False
+    sizes_size, at = _varint(file, data + 1, end)
+    if at < 0:
+        return CORRUPT, False
+    record_size, values = _varint(file, at, end)
+    if (
+        values < 0
+        or np.uint64(values - at) != sizes_size
+        or np.uint64(end - values) != record_size
+        or end - values != size
+        or _u64(file, position + 32) != record_size
+    ):
+        return CORRUPT, False
+    out[written : written + size] = file[values:end]
+    return OK, True
+
+
+@numba.njit(cache=True, nogil=True)
+def read_single_records(file, chunk_positions, sizes, out, ends):
+    """Reads one-record chunks into one buffer.
+
+    Args:
+      file: `uint8[file_size]`.
+      chunk_positions: `int64[k]` where each chunk begins.
+      sizes: `int64[k]` each record's expected size (from the file's index).
+      out: `uint8[sizes.sum()]`, receives the records back to back.
+      ends: `int64[k]`, receives where each record ends in `out`.
+
+    Returns:
+      `(status, index of the failing chunk or -1)`.
+    """
+    written = 0
+    for i in range(chunk_positions.size):
+        size = sizes[i]
+        status, copied = _single_record_in_block(file, chunk_positions[i], size, out, written)
+        if status != OK:
+            return status, i
+        if not copied:
+            status, data, chunk_type, num_records, decoded_size = read_chunk(
+                file, chunk_positions[i]
+            )
+            if status != OK:
+                return status, i
+            if num_records != 1:
+                return UNSUPPORTED, i
+            status, bounds = simple_chunk_records(data, chunk_type, 1, decoded_size)
+            if status != OK:
+                return status, i
+            if decoded_size != size:
+                return CORRUPT, i
+            out[written : written + size] = data[bounds[0] : bounds[1]]
+        written += size
+        ends[i] = written
+    return OK, -1
+
+
+@numba.njit(cache=True, nogil=True)
+def varint_fields(data, start, end, count):
+    """The varint fields 1 to `count` of a protobuf message `data[start:end]`.
+
+    Returns:
+      `(status, values uint64[count])`; absent fields are 0. A field of
+      another wire type or number makes the message `UNSUPPORTED`.
+    """
+    values = np.zeros(count, np.uint64)
+    position = start
+    while position < end:
+        tag, position = _varint(data, position, end)
+        if position < 0:
+            return CORRUPT, values
+        field = np.int64(tag >> np.uint64(3))
+        if tag & np.uint64(7) != 0 or not 1 <= field <= count:
+            return UNSUPPORTED, values
+        values[field - 1], position = _varint(data, position, end)
+        if position < 0:
+            return CORRUPT, values
+    return OK, values
+
+
+@numba.njit(cache=True, nogil=True)
+def footer_entries(data, ends):
+    """The `ArrayRecordFooter`s (records 1 onwards of the footer chunk).
+
+    Returns:
+      `(status, int64[chunks, 3])`: each chunk's offset, decoded size and
+      record count.
+    """
+    entries = np.zeros((ends.size - 2, 3), np.int64)
+    for c in range(entries.shape[0]):
+        status, values = varint_fields(data, ends[c + 1], ends[c + 2], 3)
+        if status != OK:
+            return status, entries
+        for k in range(3):
+            entries[c, k] = np.int64(values[k])
+    return OK, entries
