@@ -82,9 +82,6 @@ class ArrayRecordReader:
         file_of = np.searchsorted(self._ends, indices, side="right")
         positions = indices - self._starts[file_of]
         sources = self._open_sources()
-        first = int(file_of[0]) if indices.size else 0
-        if indices.size and (file_of == first).all():
-            return self._read_file(sources, first, positions)
         records: list = [None] * indices.size
         for f in np.unique(file_of).tolist():
             rows = np.flatnonzero(file_of == f)
@@ -187,7 +184,6 @@ class _MappedFile:
     def __init__(self, path: str, num_records: int):
         self._path = path
         with open(path, "rb") as handle:
-            self._size = os.fstat(handle.fileno()).st_size
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         self._map.madvise(mmap.MADV_RANDOM)
         self._file = np.frombuffer(self._map, np.uint8)
@@ -202,9 +198,10 @@ class _MappedFile:
 
     def _chunk_index(self) -> np.ndarray:
         """`int64[chunks, 3]`: each chunk's position, decoded size and record count."""
-        if self._size < _riegeli.BLOCK_SIZE:
+        size = self._file.size
+        if size < _riegeli.BLOCK_SIZE:
             raise _Unsupported
-        data, ends = self._chunk_records(self._size - _riegeli.BLOCK_SIZE)
+        data, ends = self._chunk_records(size - _riegeli.BLOCK_SIZE)
         status, (footer_offset, magic) = _riegeli.varint_fields(data, ends[0], ends[1], 2)
         if status != _riegeli.OK or magic != _ARRAY_RECORD_MAGIC:
             raise _Unsupported
@@ -219,19 +216,20 @@ class _MappedFile:
         status, data, chunk_type, count, decoded = _riegeli.read_chunk(self._file, position)
         if status != _riegeli.OK:
             raise _Unsupported
-        status, ends = _riegeli.simple_chunk_records(data, chunk_type, count, decoded)
+        status, ends = _riegeli.simple_chunk_records(data, 0, data.size, chunk_type, count, decoded)
         if status != _riegeli.OK or count < 1:
             raise _Unsupported
         return data, ends
 
     def read(self, positions: np.ndarray) -> list[bytes]:
-        if os.stat(self._path).st_size != self._size:
+        size = os.stat(self._path).st_size
+        if size != self._file.size:
             # Reading a mapped page past a shortened file's end kills the
             # process (SIGBUS): refuse instead (a file shortened between this
             # check and the read still does).
             raise ValueError(
-                f"{self._path} changed size since it was opened ({self._size} bytes, now "
-                f"{os.stat(self._path).st_size}); record files must not change while read."
+                f"{self._path} changed size since it was opened ({self._file.size} bytes, "
+                f"now {size}); record files must not change while read."
             )
         sizes = self._record_sizes[positions]
         out = np.empty(int(sizes.sum()), np.uint8)

@@ -81,7 +81,7 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
 
 
 @numba.njit(cache=True, nogil=True)
-def _varint(data, position, end):
+def read_varint(data, position, end):
     """`(value, next position)`, or `(0, -1)` when the varint runs past `end` or 10 bytes."""
     value = np.uint64(0)
     shift = np.uint64(0)
@@ -99,7 +99,7 @@ def _varint(data, position, end):
 def _field_end(data, position, end, wire_type):
     """The position after a field's payload starting at `position`, or -1 when malformed."""
     if wire_type == _VARINT:
-        _, position = _varint(data, position, end)
+        _, position = read_varint(data, position, end)
         return position
     if wire_type == _FIXED64:
         return position + 8 if position + 8 <= end else -1
@@ -114,7 +114,7 @@ def _field_end(data, position, end, wire_type):
 def _payload(data, position, end):
     """`(start, stop)` of the length-delimited payload whose length is at `position`,
     or `(-1, -1)` when malformed or running past `end`."""
-    length, position = _varint(data, position, end)
+    length, position = read_varint(data, position, end)
     if position < 0 or length > np.uint64(end - position):
         return -1, -1
     return position, position + np.int64(length)
@@ -141,7 +141,7 @@ def _count_values(data, start, stop, kind):
     count = 0
     position = start
     while position < stop:
-        tag, position = _varint(data, position, stop)
+        tag, position = read_varint(data, position, stop)
         if position < 0 or np.int64(tag >> np.uint64(3)) != 1:
             return _UNSURE
         wire_type = np.int64(tag & np.uint64(7))
@@ -183,7 +183,7 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
     key_start, key_stop, value_start, value_stop = -1, -1, -1, -1
     position = start
     while position < stop:
-        tag, position = _varint(data, position, stop)
+        tag, position = read_varint(data, position, stop)
         if position < 0:
             return False
         field, wire_type = np.int64(tag >> np.uint64(3)), np.int64(tag & np.uint64(7))
@@ -209,7 +209,7 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
     if spans[record, k, 1] > 0:
         return False  # the same key twice
     # The Feature: exactly one list, of the expected kind.
-    tag, position = _varint(data, value_start, value_stop)
+    tag, position = read_varint(data, value_start, value_stop)
     if (
         position < 0
         or np.int64(tag & np.uint64(7)) != _LEN
@@ -235,7 +235,7 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
         position, end = offsets[record], offsets[record + 1]
         seen_features = False
         while position < end:
-            tag, position = _varint(data, position, end)
+            tag, position = read_varint(data, position, end)
             if position < 0 or tag != np.uint64(1 << 3 | _LEN) or seen_features:
                 return False
             seen_features = True
@@ -243,7 +243,7 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
             if position < 0:
                 return False
             while position < features_end:
-                tag, position = _varint(data, position, features_end)
+                tag, position = read_varint(data, position, features_end)
                 if position < 0 or tag != np.uint64(1 << 3 | _LEN):
                     return False
                 entry_start, entry_end = _payload(data, position, features_end)
@@ -275,11 +275,11 @@ def _decode(data, spans, floats, out):
     for record in range(spans.shape[0]):
         position, stop = spans[record, 0], spans[record, 1]
         while position < stop:
-            tag, position = _varint(data, position, stop)
+            tag, position = read_varint(data, position, stop)
             single = np.int64(tag & np.uint64(7)) != _LEN
             end = position
             if not single:
-                length, position = _varint(data, position, stop)
+                length, position = read_varint(data, position, stop)
                 end = position + np.int64(length)
             while single or position < end:
                 single = False
@@ -292,6 +292,6 @@ def _decode(data, spans, floats, out):
                     )
                     position += 4
                 else:
-                    value, position = _varint(data, position, stop)
+                    value, position = read_varint(data, position, stop)
                     out[j] = np.int64(value)
                 j += 1

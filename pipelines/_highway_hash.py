@@ -62,7 +62,7 @@ def _update(state, a, b, c, d):
     """One round over a 32-byte packet of lanes `a` to `d`.
 
     `state` is `(v0, v1, mul0, mul1)`, each a 4-tuple of uint64 lanes: tuples
-    stay in registers, where arrays would be allocated per hash.
+    are values, where arrays would be allocated on every hash.
     """
     v0, v1, mul0, mul1 = state
     l0 = _mix(v0[0], v1[0], mul0[0], mul1[0], a)

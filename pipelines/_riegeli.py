@@ -20,6 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pipelines._example_wire import read_varint
 from pipelines._highway_hash import RIEGELI_KEY, highway_hash64
 
 BLOCK_SIZE = 1 << 16
@@ -67,8 +68,28 @@ def _gather(file, position, size, out):
 
 
 @numba.njit(cache=True, nogil=True)
+def _checked_chunk(header, h, data, d):
+    """Checks a chunk's header `header[h:h + 40]` and its data, which starts at
+    `data[d]`, against their hashes (each array the file itself or a gathered
+    copy).
+
+    Returns:
+      `(status, chunk_type, num_records, decoded_size)`.
+    """
+    if highway_hash64(header, h + 8, 32, RIEGELI_KEY) != _u64(header, h):
+        return CORRUPT, 0, 0, 0
+    data_size = np.int64(_u64(header, h + 8))
+    if highway_hash64(data, d, data_size, RIEGELI_KEY) != _u64(header, h + 16):
+        return CORRUPT, 0, 0, 0
+    type_and_count = _u64(header, h + 24)
+    chunk_type = np.int64(type_and_count & np.uint64(0xFF))
+    num_records = np.int64(type_and_count >> np.uint64(8))
+    return OK, chunk_type, num_records, np.int64(_u64(header, h + 32))
+
+
+@numba.njit(cache=True, nogil=True)
 def read_chunk(file, position):
-    """The chunk at file `position`, checked.
+    """The chunk at file `position`, checked, its data gathered from across blocks.
 
     Args:
       file: `uint8[file_size]`, the whole file.
@@ -80,121 +101,90 @@ def read_chunk(file, position):
     """
     header = np.empty(_CHUNK_HEADER_SIZE, np.uint8)
     status, position = _gather(file, position, _CHUNK_HEADER_SIZE, header)
-    empty = np.empty(0, np.uint8)
-    if status != OK:
-        return status, empty, 0, 0, 0
-    if highway_hash64(header, 8, 32, RIEGELI_KEY) != _u64(header, 0):
-        return CORRUPT, empty, 0, 0, 0
-    data_size = _u64(header, 8)
-    type_and_count = _u64(header, 24)
-    decoded_size = np.int64(_u64(header, 32))
-    if data_size > np.uint64(file.size):
-        return CORRUPT, empty, 0, 0, 0
-    data = np.empty(np.int64(data_size), np.uint8)
+    if status != OK or _u64(header, 8) > np.uint64(file.size):
+        return CORRUPT, np.empty(0, np.uint8), 0, 0, 0
+    data = np.empty(np.int64(_u64(header, 8)), np.uint8)
     status, _ = _gather(file, position, data.size, data)
     if status != OK:
-        return status, empty, 0, 0, 0
-    if highway_hash64(data, 0, data.size, RIEGELI_KEY) != _u64(header, 16):
-        return CORRUPT, empty, 0, 0, 0
-    chunk_type = np.int64(type_and_count & np.uint64(0xFF))
-    num_records = np.int64(type_and_count >> np.uint64(8))
-    return OK, data, chunk_type, num_records, decoded_size
-
-
-@numba.njit(inline="always")
-def _varint(data, position, end):
-    """`(value, position after it)`; position -1 if it runs past `end` or 10 bytes."""
-    value = np.uint64(0)
-    for shift in range(0, 70, 7):
-        if position >= end:
-            return value, -1
-        byte = data[position]
-        position += 1
-        value |= np.uint64(byte & 0x7F) << np.uint64(shift)
-        if byte < 0x80:
-            return value, position
-    return value, -1
+        return status, data, 0, 0, 0
+    status, chunk_type, num_records, decoded_size = _checked_chunk(header, 0, data, 0)
+    return status, data, chunk_type, num_records, decoded_size
 
 
 @numba.njit(cache=True, nogil=True)
-def simple_chunk_records(data, chunk_type, num_records, decoded_size):
-    """Where the records of an uncompressed simple chunk lie in its data.
+def simple_chunk_records(data, start, stop, chunk_type, num_records, decoded_size):
+    """Where the records of an uncompressed simple chunk, `data[start:stop]`, lie.
 
     Returns:
       `(status, ends int64[num_records + 1])`: record r is
       `data[ends[r]:ends[r + 1]]`.
     """
     ends = np.empty(max(num_records, 0) + 1, np.int64)
-    if chunk_type != _SIMPLE_CHUNK or data.size == 0 or num_records < 0:
+    if chunk_type != _SIMPLE_CHUNK or start == stop or num_records < 0:
         return UNSUPPORTED, ends
-    if data[0] != _NO_COMPRESSION:
+    if data[start] != _NO_COMPRESSION:
         return UNSUPPORTED, ends
-    sizes_size, position = _varint(data, 1, data.size)
-    if position < 0 or np.uint64(data.size - position) < sizes_size:
+    sizes_size, position = read_varint(data, start + 1, stop)
+    if position < 0 or np.uint64(stop - position) < sizes_size:
         return CORRUPT, ends
     sizes_end = position + np.int64(sizes_size)
     ends[0] = sizes_end
     for r in range(num_records):
-        size, position = _varint(data, position, sizes_end)
-        if position < 0 or np.uint64(data.size - ends[r]) < size:
+        size, position = read_varint(data, position, sizes_end)
+        if position < 0 or np.uint64(stop - ends[r]) < size:
             return CORRUPT, ends
         ends[r + 1] = ends[r] + np.int64(size)
-    if position != sizes_end or ends[num_records] != data.size:
+    if position != sizes_end or ends[num_records] != stop:
         return CORRUPT, ends
     if ends[num_records] - sizes_end != decoded_size:
         return CORRUPT, ends
     return OK, ends
 
 
-@numba.njit(cache=True, nogil=True)
-def _single_record_in_block(file, position, size, out, written):
-    """Copies the record of the one-record chunk at `position` to `out[written:]`,
-    reading the file in place; for a chunk inside one block (the usual case:
-    no block header to skip, so nothing to gather and no allocation).
-
-    Returns:
-      `(status, copied)`: `copied` False when the chunk leaves the block.
-    """
+@numba.njit(inline="always")
+def _inside_one_block(file, position):
+    """Whether the chunk at `position` (header and data) lies inside one block
+    of the file, so that it can be checked and read in place."""
     offset = position % BLOCK_SIZE
     if offset == 0 or offset + _CHUNK_HEADER_SIZE > BLOCK_SIZE:
-        return OK, False
+        return False
     if position + _CHUNK_HEADER_SIZE > file.size:
-        return CORRUPT, False
+        return False
+    # Not checked yet: a wrong size sends the chunk the other way, where the
+    # header's hash catches it.
     data_size = _u64(file, position + 8)
-    if data_size > np.uint64(BLOCK_SIZE - offset - _CHUNK_HEADER_SIZE):
-        return OK, False
     data = position + _CHUNK_HEADER_SIZE
-    end = data + np.int64(data_size)
-    if end > file.size:
-        return CORRUPT, False
-    if highway_hash64(file, position + 8, 32, RIEGELI_KEY) != _u64(file, position):
-        return CORRUPT, False
-    if highway_hash64(file, data, end - data, RIEGELI_KEY) != _u64(file, position + 16):
-        return CORRUPT, False
-    type_and_count = _u64(file, position + 24)
-    if type_and_count != np.uint64(1 << 8 | _SIMPLE_CHUNK) or data == end:
-        return UNSUPPORTED, False
-    if file[data] != _NO_COMPRESSION:
-        return UNSUPPORTED, False
-    sizes_size, at = _varint(file, data + 1, end)
-    if at < 0:
-        return CORRUPT, False
-    record_size, values = _varint(file, at, end)
-    if (
-        values < 0
-        or np.uint64(values - at) != sizes_size
-        or np.uint64(end - values) != record_size
-        or end - values != size
-        or _u64(file, position + 32) != record_size
-    ):
-        return CORRUPT, False
-    out[written : written + size] = file[values:end]
-    return OK, True
+    return data_size <= np.uint64(BLOCK_SIZE - offset - _CHUNK_HEADER_SIZE) and data_size <= (
+        np.uint64(file.size - data)
+    )
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_single_record(data, start, stop, chunk, size, out, written):
+    """Copies the one record of the checked chunk `data[start:stop]` to `out[written:]`.
+
+    `chunk` is `_checked_chunk`'s result; `size` the record's size by the file's index.
+    """
+    status, chunk_type, num_records, decoded_size = chunk
+    if status != OK:
+        return status
+    if num_records != 1:
+        return UNSUPPORTED
+    status, ends = simple_chunk_records(data, start, stop, chunk_type, 1, decoded_size)
+    if status != OK:
+        return status
+    if decoded_size != size:
+        return CORRUPT
+    out[written : written + size] = data[ends[0] : ends[1]]
+    return OK
 
 
 @numba.njit(cache=True, nogil=True)
 def read_single_records(file, chunk_positions, sizes, out, ends):
     """Reads one-record chunks into one buffer.
+
+    A chunk inside one block (the usual case) is checked and read in place;
+    one that crosses a block header is gathered first (`read_chunk`).
 
     Args:
       file: `uint8[file_size]`.
@@ -208,25 +198,19 @@ def read_single_records(file, chunk_positions, sizes, out, ends):
     """
     written = 0
     for i in range(chunk_positions.size):
-        size = sizes[i]
-        status, copied = _single_record_in_block(file, chunk_positions[i], size, out, written)
+        position = chunk_positions[i]
+        if _inside_one_block(file, position):
+            start = position + _CHUNK_HEADER_SIZE
+            stop = start + np.int64(_u64(file, position + 8))
+            chunk = _checked_chunk(file, position, file, start)
+            status = _copy_single_record(file, start, stop, chunk, sizes[i], out, written)
+        else:
+            status, data, chunk_type, num_records, decoded_size = read_chunk(file, position)
+            chunk = (status, chunk_type, num_records, decoded_size)
+            status = _copy_single_record(data, 0, data.size, chunk, sizes[i], out, written)
         if status != OK:
             return status, i
-        if not copied:
-            status, data, chunk_type, num_records, decoded_size = read_chunk(
-                file, chunk_positions[i]
-            )
-            if status != OK:
-                return status, i
-            if num_records != 1:
-                return UNSUPPORTED, i
-            status, bounds = simple_chunk_records(data, chunk_type, 1, decoded_size)
-            if status != OK:
-                return status, i
-            if decoded_size != size:
-                return CORRUPT, i
-            out[written : written + size] = data[bounds[0] : bounds[1]]
-        written += size
+        written += sizes[i]
         ends[i] = written
     return OK, -1
 
@@ -242,13 +226,13 @@ def varint_fields(data, start, end, count):
     values = np.zeros(count, np.uint64)
     position = start
     while position < end:
-        tag, position = _varint(data, position, end)
+        tag, position = read_varint(data, position, end)
         if position < 0:
             return CORRUPT, values
         field = np.int64(tag >> np.uint64(3))
         if tag & np.uint64(7) != 0 or not 1 <= field <= count:
             return UNSUPPORTED, values
-        values[field - 1], position = _varint(data, position, end)
+        values[field - 1], position = read_varint(data, position, end)
         if position < 0:
             return CORRUPT, values
     return OK, values

@@ -82,7 +82,8 @@ def test_compiled_reads_equal_the_written_records(tmp_path_factory, sizes, seed)
     assert reader.mapped_files == (True,)
     order = rng.permutation(len(records))
     assert reader.read(order) == [records[i] for i in order]
-    assert reader.read(order) == [_official(path)[i] for i in order]
+    official = _official(path)
+    assert reader.read(order) == [official[i] for i in order]
 
 
 def test_records_across_block_boundaries_are_read_whole(tmp_path):
