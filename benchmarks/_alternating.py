@@ -1,4 +1,4 @@
-"""Runs of compared setups in alternating order, shared by the benchmarks.
+"""Runs of compared setups in alternating order, for benchmarks that compare whole runs.
 
 On a shared machine the load drifts within a run. Running setups A, B, ...
 once each in turn puts the drift into their ratio; passing over them

@@ -16,36 +16,38 @@ device placement).
     input work shares the cores with the training step);
   * input stall: the demo's training loop (`sparseflow._train`: the
     configured SC/TC pipelined step, the loss read back every step) runs
-    `--steps` steps fed (a) from device batches already in memory and (b) by
-    the live pipeline (`DeviceIterator` over the Grain iterator, as the demo
-    builds it) with each worker count of `--loop-workers`, in the same run,
-    `--repeats` times each, in the order in-memory, 0, 1, 2 workers, then
-    2, 1, 0, in-memory, ...: the load of a shared machine drifts within a
-    run, and alternating the loops spreads the drift over all of them. The
-    stall fraction is the share of the live loop's time not explained by the
-    steps: `1 - t_in_memory / t_live`, each time the mean over the repeats
-    and over the steps after the first `WARMUP_STEPS` of each loop
-    (compilation, worker start-up).
-    `ratio_vs_in_memory` is live steps/s over in-memory steps/s for the
-    configured worker count (`training.workers`);
-  * contention: the in-memory loop once more per `--cpu-load-fractions`,
-    alternated with the others, while a thread sorts with numpy (the GIL
-    released) for that fraction of the 0-worker pipeline's CPU time per
-    batch (host preprocessing plus device placement) for every batch the
-    loop asks for. That work shares no lock and little memory with the
-    step, so its stall is about the least that input work of that CPU time
-    costs the step on this machine: the pipeline's stall against it tells
-    the pipeline's own overhead from the machine's contention.
+    once per worker count of `--loop-workers`, its steps in blocks of
+    `--block-steps`: blocks fed by the live pipeline (`DeviceIterator` over
+    the Grain iterator, as the demo builds it) in turn with blocks fed from
+    `IN_MEMORY_BATCHES` device batches already in memory, `--pairs` live
+    blocks in all after a warm-up block. The load of a shared machine
+    drifts by more than the stall within minutes, so loops run one after
+    another cannot be compared; blocks of a few hundred ms side by side in
+    one loop can. Each live block's stall is `1 - t_in_memory / t_live`, its
+    mean step time after the first `BLOCK_SETTLE_STEPS` against the mean of
+    the in-memory blocks either side; the figures are the mean, the median
+    and a 95% t-interval of the mean over the live blocks.
+    `ratio_vs_in_memory` is `1 - the mean stall` for the configured worker
+    count (`training.workers`): live steps/s over in-memory steps/s;
+  * contention: the same interleaved loop once more per
+    `--cpu-load-fractions`, its treated blocks fed from memory while a
+    thread sorts with numpy (the GIL released) for that fraction of the
+    0-worker pipeline's CPU time per batch (host preprocessing plus device
+    placement) for every batch the block asks for. That work shares no lock
+    and little memory with the step, so its stall is about the least that
+    input work of that CPU time costs the step on this machine: the
+    pipeline's stall against it tells the pipeline's own overhead from the
+    machine's contention.
 
 The machine's core count and load average are printed with the figures: the
 workers, the step and anything else running share its cores.
-`idle_cpu_ms_per_step` is the CPU time the in-memory loop leaves unused per
-step (cores x step time - the process's CPU time): the budget the input
-work of one batch has to fit in without taking CPU from the step. The last line
-printed is one JSON object.
+`idle_cpu_ms_per_step` is the CPU time the in-memory steps leave unused
+(cores x step time - the process's CPU time), in the configured worker
+count's loop: the budget the input work of one batch has to fit in without
+taking CPU from the step. The last line printed is one JSON object.
 
-    python benchmarks/input_pipeline.py [--batches 40] [--steps 60] [--loop-workers 0,1,2]
-        [--repeats 2] [--cpu-load-fractions 0.25,0.5,1]
+    python benchmarks/input_pipeline.py [--batches 40] [--loop-workers 0,1,2]
+        [--pairs 16] [--block-steps 24] [--cpu-load-fractions 0.25,0.5,1]
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -70,7 +73,7 @@ from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from _alternating import add_repeats_argument, alternating  # noqa: E402
+import scipy.stats  # noqa: E402
 
 import beam_jobs  # noqa: E402
 import pipelines  # noqa: E402
@@ -79,8 +82,12 @@ from sparseflow._config import RunConfig, load_config  # noqa: E402
 from sparseflow._metrics import MetricsWriter  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-WARMUP_STEPS = 4
-IN_MEMORY_BATCHES = 8
+# Steps at the start of each block left out: the workers refill their buffers
+# there, or the CPU load still works off the previous block's requests.
+BLOCK_SETTLE_STEPS = 6
+# More in-memory batches than the caches hold: the in-memory steps read
+# their batches from memory, as the live steps do.
+IN_MEMORY_BATCHES = 64
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -205,38 +212,87 @@ class CpuLoad:
             self.burned_s += time.thread_time() - start
 
 
-def time_loop(run: _train._Run, batches: Iterator, steps: int) -> tuple[float, float]:
-    """(seconds, CPU seconds of this process) per step of the demo loop after the warm-up.
+def interleaved_loop(
+    run: _train._Run, treated: Iterator, in_memory: list, pairs: int, block_steps: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds, CPU seconds of this process) of every step of one interleaved loop.
 
-    A step runs from one batch request to the next: the wait for the batch,
-    the call, and the loss read-back. The CPU time includes the step's own
-    (XLA runs in this process) and the input work done in this process.
+    The loop's steps come in blocks of `block_steps`: a warm-up block fed by
+    `treated`, then in-memory and treated blocks in turn, `pairs` treated
+    blocks in all, and an in-memory block last. A step runs from one batch
+    request to the next: the wait for the batch, the call, and the loss
+    read-back.
+
+    Returns:
+      `float64[2 * pairs + 2, block_steps]` each, by block and step; NaN for
+      the first and the last step, which no request starts or ends.
     """
-    first = next(batches)
+    blocks = 2 * pairs + 2
+
+    def batches() -> Iterator:
+        for step in range(blocks * block_steps):
+            if step // block_steps % 2 == 0:
+                yield next(treated)
+            else:
+                yield in_memory[step % len(in_memory)]
+
+    feed = batches()
+    first = next(feed)
     if run.pipelined:
         run.pipeline_state = _train._initial_pipeline_state(run, first)
-    timed = _Timed(batches)
-    _train._loop(run, timed, steps, 0, first, None, MetricsWriter(None))
-    (start, start_cpu), *rest = timed.asked[WARMUP_STEPS - 1 :]
-    end, end_cpu = rest[-1]
-    return (end - start) / len(rest), (end_cpu - start_cpu) / len(rest)
+    timed = _Timed(feed)
+    _train._loop(run, timed, blocks * block_steps, 0, first, None, MetricsWriter(None))
+    gaps = np.diff(np.array(timed.asked), axis=0)
+    edge = np.full((1, 2), np.nan)
+    steps = np.concatenate([edge, gaps, edge]).reshape(blocks, block_steps, 2)
+    return steps[..., 0], steps[..., 1]
+
+
+def paired_figures(seconds: np.ndarray, cpu: np.ndarray) -> dict:
+    """A treatment's figures from its loop's `interleaved_loop` output.
+
+    Each treated block's mean step time after `BLOCK_SETTLE_STEPS` is set
+    against the mean of the in-memory blocks either side: its stall is
+    `1 - in_memory / treated`. The warm-up block is left out.
+    """
+    settled = np.s_[:, BLOCK_SETTLE_STEPS:]
+    step_ms = np.nanmean(seconds[settled], axis=1) * 1e3
+    cpu_ms = np.nanmean(cpu[settled], axis=1) * 1e3
+    treated = np.arange(2, len(step_ms) - 1, 2)
+    neighbours_ms = (step_ms[treated - 1] + step_ms[treated + 1]) / 2
+    stalls = 1 - neighbours_ms / step_ms[treated]
+    mean = float(np.mean(stalls))
+    half_width = float(
+        scipy.stats.t.ppf(0.975, len(stalls) - 1) * np.std(stalls, ddof=1) / np.sqrt(len(stalls))
+    )
+    return {
+        "step_ms": float(np.mean(step_ms[treated])),
+        "in_memory_step_ms": float(np.mean(neighbours_ms)),
+        "cpu_ms_per_step": float(np.mean(cpu_ms[treated])),
+        "in_memory_cpu_ms_per_step": float(np.mean(cpu_ms[1::2])),
+        "input_stall_fraction": mean,
+        "input_stall_fraction_median": float(np.median(stalls)),
+        "input_stall_fraction_ci95": (mean - half_width, mean + half_width),
+    }
 
 
 def measure_stall(
     run: _train._Run,
     data: str,
     loop_workers: list[int],
-    steps: int,
-    repeats: int,
+    pairs: int,
+    block_steps: int,
     host_cpu_ms: float,
     load_fractions: list[str],
-) -> dict:
-    """Per loop ("in_memory", a worker count, or a load fraction): its figures.
+) -> tuple[dict, float]:
+    """Per treatment (a worker count or a load fraction): its `paired_figures`.
+
+    Also returns the placement's CPU ms per batch.
 
     Args:
       host_cpu_ms: the host pipeline's CPU ms per batch with 0 workers.
-      load_fractions: per loaded in-memory loop (`CpuLoad`), its CPU ms per
-        batch as a fraction (text) of `host_cpu_ms` plus the placement's.
+      load_fractions: per loaded treatment (`CpuLoad`), its CPU ms per batch
+        as a fraction (text) of `host_cpu_ms` plus the placement's.
     """
     with host_iterator(run, data, 0) as host:
         host_batches = [next(host) for _ in range(IN_MEMORY_BATCHES)]
@@ -247,60 +303,45 @@ def measure_stall(
         pipelines.to_device_batch(batch, run.mesh)
     placement_ms = (time.process_time() - cpu) / len(host_batches) * 1e3
     cpu_loads = [(text, float(text) * (host_cpu_ms + placement_ms)) for text in load_fractions]
-
-    def memory_batches(count: int) -> Iterator:
-        return (in_memory[i % len(in_memory)] for i in range(count))
-
-    def in_memory_loop() -> tuple[float, float]:
-        return time_loop(run, memory_batches(steps), steps)
-
-    def live_loop(workers: int) -> tuple[float, float]:
-        config = with_workers(run.config, workers)
+    loop = functools.partial(interleaved_loop, run, in_memory=in_memory, block_steps=block_steps)
+    loop(itertools.cycle(in_memory), pairs=0)  # compiles
+    figures = {}
+    for workers in loop_workers:
+        config = with_epochs(with_workers(run.config, workers), (pairs + 1) * block_steps)
         with _train._iterator(
             config, run.options, run.specs, run.mesh, data, training=True
         ) as batches:
-            return time_loop(run, batches, steps)
-
-    burned: dict[str, list[float]] = {name: [] for name, _ in cpu_loads}
-
-    def loaded_loop(name: str, cpu_ms: float) -> tuple[float, float]:
+            figures[workers] = paired_figures(*loop(batches, pairs=pairs))
+        print(f"{workers} workers in the loop: {figures[workers]}", flush=True)
+    for name, cpu_ms in cpu_loads:
         with CpuLoad(cpu_ms) as load:
-            timed = time_loop(run, load.each_batch(memory_batches(steps)), steps)
-        burned[name].append(load.burned_s / load.requests * 1e3)
-        return timed
+            treated = load.each_batch(itertools.cycle(in_memory))
+            figures[name] = paired_figures(*loop(treated, pairs=pairs))
+        figures[name]["burned_cpu_ms_per_batch"] = load.burned_s / load.requests * 1e3
+        print(f"CPU load {name}: {figures[name]}", flush=True)
+    return figures, placement_ms
 
-    time_loop(run, memory_batches(WARMUP_STEPS + 2), WARMUP_STEPS + 2)  # compiles
-    loops = (
-        [("in_memory", in_memory_loop)]
-        + [(workers, functools.partial(live_loop, workers)) for workers in loop_workers]
-        + [(name, functools.partial(loaded_loop, name, ms)) for name, ms in cpu_loads]
-    )
-    timed: dict = {name: [] for name, _ in loops}
-    for repeat, (name, loop) in alternating(loops, repeats):
-        timed[name].append(loop())
-        print(f"loop {name} (repeat {repeat}): {timed[name][-1]}", flush=True)
-    figures = {}
-    for name, times in timed.items():
-        step_s, cpu_s = (statistics.mean(column) for column in zip(*times, strict=True))
-        figures[name] = {"step_ms": step_s * 1e3, "cpu_ms_per_step": cpu_s * 1e3}
-    in_memory_ms = figures["in_memory"]["step_ms"]
-    for name in timed.keys() - {"in_memory"}:
-        figures[name]["input_stall_fraction"] = max(
-            0.0, 1 - in_memory_ms / figures[name]["step_ms"]
-        )
-    for name, values in burned.items():
-        figures[name]["burned_cpu_ms_per_batch"] = statistics.mean(values)
-    figures["in_memory"]["placement_cpu_ms_per_batch"] = placement_ms
-    return figures
+
+def with_epochs(config: RunConfig, batches: int) -> RunConfig:
+    """`config` with enough epochs of its dataset for `batches` training batches."""
+    per_epoch = config.dataset.examples // config.global_batch_size
+    epochs = max(config.training.epochs, math.ceil(batches / per_epoch))
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, epochs=epochs))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--throughput-workers", default="0,1,2")
     parser.add_argument("--loop-workers", default="0,1,2")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=16,
+        help="treated blocks per loop, each set against the in-memory blocks either side",
+    )
+    parser.add_argument("--block-steps", type=int, default=24)
     parser.add_argument(
         "--cpu-load-fractions",
         default="0.25,0.5,1",
@@ -308,10 +349,14 @@ def main() -> None:
         "ms per batch (host preprocessing plus placement); empty: no contention loops. "
         "Needs 0 in --throughput-workers.",
     )
-    add_repeats_argument(parser)
     args = parser.parse_args()
-    if args.steps < WARMUP_STEPS + 2:
-        parser.error(f"--steps must be at least {WARMUP_STEPS + 2} (warm-up steps + 2).")
+    if args.pairs < 2:
+        parser.error(f"--pairs must be at least 2 (for an interval), got {args.pairs}.")
+    if args.block_steps < BLOCK_SETTLE_STEPS + 2:
+        parser.error(
+            f"--block-steps must be at least {BLOCK_SETTLE_STEPS + 2} "
+            f"(settling steps + 2), got {args.block_steps}."
+        )
     fractions = list(dict.fromkeys(text for text in args.cpu_load_fractions.split(",") if text))
     if not all(_positive_number(text) for text in fractions):
         parser.error(f"--cpu-load-fractions must be positive numbers, got {fractions}.")
@@ -328,16 +373,15 @@ def main() -> None:
             print(f"{workers} workers: {throughput[workers]}", flush=True)
         # Placement is measured with the in-memory batches: scale the loads there.
         host_ms = throughput[0]["cpu_ms_per_batch"] if fractions else 0.0
-        loops = measure_stall(
+        loops, placement_ms = measure_stall(
             run,
             data,
             _counts(args.loop_workers),
-            args.steps,
-            args.repeats,
+            args.pairs,
+            args.block_steps,
             host_ms,
             fractions,
         )
-    in_memory = loops.pop("in_memory")
     loads = {fraction: loops.pop(fraction) for fraction in fractions}
     configured = config.training.workers
     headline = loops.get(configured, next(iter(loops.values())))
@@ -347,39 +391,44 @@ def main() -> None:
         "global_batch": config.global_batch_size,
         "devices": config.mesh.devices,
         "limits": "fdo",
-        "repeats": args.repeats,
+        "pairs": args.pairs,
+        "block_steps": args.block_steps,
         "host_batches_per_s": _rounded(throughput, "batches_per_s", 1),
         "input_cpu_ms_per_batch": _rounded(throughput, "cpu_ms_per_batch", 2),
         "worker_startup_s": _rounded(throughput, "startup_s", 1),
         "pipelined": run.pipelined,
-        "in_memory_step_ms": round(in_memory["step_ms"], 1),
+        "in_memory_step_ms": _rounded(loops, "in_memory_step_ms", 1),
         "live_step_ms": _rounded(loops, "step_ms", 1),
-        "in_memory_cpu_ms_per_step": round(in_memory["cpu_ms_per_step"], 1),
-        "idle_cpu_ms_per_step": round(idle_cpu_ms_per_step(in_memory), 1),
+        "in_memory_cpu_ms_per_step": _rounded(loops, "in_memory_cpu_ms_per_step", 1),
+        "idle_cpu_ms_per_step": round(idle_cpu_ms_per_step(headline), 1),
         "live_cpu_ms_per_step": _rounded(loops, "cpu_ms_per_step", 1),
         "input_stall_fraction_by_workers": _rounded(loops, "input_stall_fraction", 3),
+        "input_stall_median_by_workers": _rounded(loops, "input_stall_fraction_median", 3),
+        "input_stall_ci95_by_workers": _rounded(loops, "input_stall_fraction_ci95", 3),
         "configured_workers": configured,
         "worker_priority": config.training.worker_priority.value,
         "input_stall_fraction": round(headline["input_stall_fraction"], 3),
-        "ratio_vs_in_memory": round(in_memory["step_ms"] / headline["step_ms"], 3),
-        "placement_cpu_ms_per_batch": round(in_memory["placement_cpu_ms_per_batch"], 2),
+        "ratio_vs_in_memory": round(1 - headline["input_stall_fraction"], 3),
+        "placement_cpu_ms_per_batch": round(placement_ms, 2),
         "cpu_load_ms_per_batch": _rounded(loads, "burned_cpu_ms_per_batch", 2),
-        "cpu_load_step_ms": _rounded(loads, "step_ms", 1),
         "cpu_load_stall_fraction": _rounded(loads, "input_stall_fraction", 3),
+        "cpu_load_stall_ci95": _rounded(loads, "input_stall_fraction_ci95", 3),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))
 
 
-def idle_cpu_ms_per_step(in_memory: dict) -> float:
-    """CPU ms per step the in-memory loop leaves unused on this machine's cores.
+def idle_cpu_ms_per_step(figures: dict) -> float:
+    """CPU ms per step the in-memory steps of a loop leave unused on this machine's cores.
 
     The input work of a batch fits beside the step without slowing it only
     if it needs less than this, and in the gaps the step leaves: compare it
     with `input_cpu_ms_per_batch`.
     """
-    return (os.cpu_count() or 1) * in_memory["step_ms"] - in_memory["cpu_ms_per_step"]
+    return (os.cpu_count() or 1) * figures["in_memory_step_ms"] - figures[
+        "in_memory_cpu_ms_per_step"
+    ]
 
 
 def _counts(text: str) -> list[int]:
@@ -394,7 +443,14 @@ def _positive_number(text: str) -> bool:
 
 
 def _rounded(figures: dict, key: str, digits: int) -> dict:
-    return {workers: round(values[key], digits) for workers, values in figures.items()}
+    """`{name: figure}` for `key` of each entry of `figures`, a bound pair as a list."""
+
+    def rounded(value):
+        if isinstance(value, tuple):
+            return [round(bound, digits) for bound in value]
+        return round(value, digits)
+
+    return {name: rounded(values[key]) for name, values in figures.items()}
 
 
 if __name__ == "__main__":
