@@ -3,11 +3,12 @@
 `grain.MapDataset.range(R).shuffle(seed)` puts record
 `index_shuffle(i, R - 1, (seed + e) mod 2**32)` at position `i` of epoch `e`,
 one Python call per position. `shuffled_indices` computes the same
-permutation with numpy over an array of positions: a 4-round Simon cipher on
-`B`-bit blocks (`B = max(16, ceil(log2(R - 1)))` rounded up to even), its
-round keys from `std::seed_seq{seed}`, walking the cycle until the value is
-at most `R - 1` (grain/_src/python/experimental/index_shuffle/index_shuffle.cc).
-A test checks it against Grain position by position.
+permutation in one compiled loop over an array of positions: a 4-round Simon
+cipher on `B`-bit blocks (`B = max(16, ceil(log2(R - 1)))` rounded up to
+even), its round keys from `std::seed_seq{seed}`, walking the cycle until
+the value is at most `R - 1`
+(grain/_src/python/experimental/index_shuffle/index_shuffle.cc). A test
+checks it against Grain position by position.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from __future__ import annotations
 import functools
 import math
 
-import grain
+import numba
 import numpy as np
 
 _ROUNDS = 4
-# Mean cipher rounds per position up to which the batch is walked with numpy.
-_MAX_MEAN_WALK = 4
 _MIN_BLOCK_BITS = 16
 _MASK32 = 0xFFFFFFFF
 
@@ -65,22 +64,36 @@ def _word_bits(max_index: int) -> int:
     return max(bits + bits % 2, _MIN_BLOCK_BITS) // 2
 
 
-def _rotl(x: np.ndarray, r: int, w: int, mask: np.uint64) -> np.ndarray:
-    return ((x << np.uint64(r)) | (x >> np.uint64(w - r))) & mask
+@numba.njit(cache=True, nogil=True)
+def _cycle_walk(values, keys, w, mask, max_index):
+    """Encrypts each of `values` (`uint64[k]`, in place) until it is at most `max_index`.
+
+    `keys`: `uint64[4]` round keys; `w`: bits of a half block, `mask` its
+    `2**w - 1`; all scalars `uint64`, so that no arithmetic leaves unsigned ints.
+    """
+    one, two, eight = np.uint64(1), np.uint64(2), np.uint64(8)
+    for i in range(values.size):
+        value = values[i]
+        while True:
+            left = (value >> w) & mask
+            right = value & mask
+            for r in range(0, keys.size, 2):
+                left ^= _round_function(right, w, mask, one, two, eight) ^ (keys[r] & mask)
+                right ^= _round_function(left, w, mask, one, two, eight) ^ (keys[r + 1] & mask)
+            value = (left << w) | right
+            if value <= max_index:
+                break
+        values[i] = value
 
 
-def _simon_encrypt(values: np.ndarray, keys: tuple[int, ...], w: int) -> np.ndarray:
-    mask = np.uint64((1 << w) - 1)
-    left = (values >> np.uint64(w)) & mask
-    right = values & mask
+@numba.njit(cache=True, nogil=True, inline="always")
+def _round_function(x, w, mask, one, two, eight):
+    return (_rotl(x, one, w, mask) & _rotl(x, eight, w, mask)) ^ _rotl(x, two, w, mask)
 
-    def f(x: np.ndarray) -> np.ndarray:
-        return (_rotl(x, 1, w, mask) & _rotl(x, 8, w, mask)) ^ _rotl(x, 2, w, mask)
 
-    for k1, k2 in zip(keys[::2], keys[1::2], strict=True):
-        left ^= f(right) ^ np.uint64(k1 & int(mask))
-        right ^= f(left) ^ np.uint64(k2 & int(mask))
-    return (left << np.uint64(w)) | right
+@numba.njit(cache=True, nogil=True, inline="always")
+def _rotl(x, r, w, mask):
+    return ((x << r) | (x >> (w - r))) & mask
 
 
 def shuffled_indices(indices: np.ndarray, max_index: int, seed: int) -> np.ndarray:
@@ -89,16 +102,12 @@ def shuffled_indices(indices: np.ndarray, max_index: int, seed: int) -> np.ndarr
     Equals `[index_shuffle(i, max_index=max_index, seed=seed, rounds=4) for i
     in indices]` of Grain's `index_shuffle_module`.
     """
-    values = np.asarray(indices, np.uint64)
+    values = np.array(indices, np.uint64).reshape(-1)
     if max_index == 0:
         return np.zeros(values.shape, np.int64)
-    keys, w = _round_keys(seed), _word_bits(max_index)
-    values = _simon_encrypt(values, keys, w)
-    outside = np.flatnonzero(values > np.uint64(max_index))
-    while outside.size:
-        walked = _simon_encrypt(values[outside], keys, w)
-        values[outside] = walked
-        outside = outside[walked > np.uint64(max_index)]
+    keys = np.array(_round_keys(seed), np.uint64)
+    w = _word_bits(max_index)
+    _cycle_walk(values, keys, np.uint64(w), np.uint64((1 << w) - 1), np.uint64(max_index))
     return values.astype(np.int64)
 
 
@@ -106,19 +115,6 @@ def grain_epoch_order(num_records: int, seed: int, epoch: int, positions: np.nda
     """`int64[k]` the records at `positions` (`int[k]`) of `epoch` in Grain's shuffle.
 
     Equals `grain.MapDataset.range(R).shuffle(seed)[epoch * R + p]` for each
-    position `p`. A dataset much smaller than the cipher's smallest block
-    (`2**16`) makes the cycle walk long, which Grain's compiled loop does
-    faster one position at a time than numpy does for the batch.
+    position `p`.
     """
-    if num_records * _MAX_MEAN_WALK < 2 ** (2 * _word_bits(max(num_records - 1, 1))):
-        order = _grain_order(num_records, seed)
-        offset = epoch * num_records
-        return np.fromiter(
-            (order[offset + int(p)] for p in positions), np.int64, count=len(positions)
-        )
     return shuffled_indices(positions, num_records - 1, (seed + epoch) % 2**32)
-
-
-@functools.lru_cache(maxsize=8)
-def _grain_order(num_records: int, seed: int) -> grain.MapDataset:
-    return grain.MapDataset.range(num_records).shuffle(seed=seed)

@@ -26,7 +26,7 @@ def test_shuffled_indices_equal_grains_index_shuffle(num_records, seed):
     np.testing.assert_array_equal(shuffled_indices(indices, num_records - 1, seed), expected)
 
 
-# Small datasets take Grain's per-position path, large ones the batch cipher.
+# Small datasets walk long cycles (the cipher's smallest block is 2**16).
 @pytest.mark.parametrize(
     "num_records, seed", [(2, 1), (100, 7), (5_000, 2**32 - 1), (20_000, 0), (70_001, 3)]
 )
