@@ -107,16 +107,20 @@ def demo_inputs(config: RunConfig, directory: str) -> tuple[str, Path]:
     return data, fdo_dir
 
 
-def with_workers(config: RunConfig, workers: int) -> RunConfig:
-    return dataclasses.replace(
-        config, training=dataclasses.replace(config.training, workers=workers)
-    )
+def with_training(config: RunConfig, **changes) -> RunConfig:
+    """`config` with `changes` to its `training` section."""
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
 
 
 def host_iterator(run: _train._Run, data: str, workers: int) -> pipelines.HostIterator:
     """The demo's training iterator without device placement."""
     device_iterator = _train._iterator(
-        with_workers(run.config, workers), run.options, run.specs, run.mesh, data, training=True
+        with_training(run.config, workers=workers),
+        run.options,
+        run.specs,
+        run.mesh,
+        data,
+        training=True,
     )
     # Placement starts with the device iterator's first next(): never here.
     return device_iterator.host
@@ -307,7 +311,8 @@ def measure_stall(
     loop(itertools.cycle(in_memory), pairs=0)  # compiles
     figures = {}
     for workers in loop_workers:
-        config = with_epochs(with_workers(run.config, workers), (pairs + 1) * block_steps)
+        epochs = epochs_for(run.config, (pairs + 1) * block_steps)
+        config = with_training(run.config, workers=workers, epochs=epochs)
         with _train._iterator(
             config, run.options, run.specs, run.mesh, data, training=True
         ) as batches:
@@ -322,11 +327,10 @@ def measure_stall(
     return figures, placement_ms
 
 
-def with_epochs(config: RunConfig, batches: int) -> RunConfig:
-    """`config` with enough epochs of its dataset for `batches` training batches."""
+def epochs_for(config: RunConfig, batches: int) -> int:
+    """Epochs of `config`'s dataset (at least its own) for `batches` training batches."""
     per_epoch = config.dataset.examples // config.global_batch_size
-    epochs = max(config.training.epochs, math.ceil(batches / per_epoch))
-    return dataclasses.replace(config, training=dataclasses.replace(config.training, epochs=epochs))
+    return max(config.training.epochs, math.ceil(batches / per_epoch))
 
 
 def main() -> None:
@@ -426,9 +430,8 @@ def idle_cpu_ms_per_step(figures: dict) -> float:
     if it needs less than this, and in the gaps the step leaves: compare it
     with `input_cpu_ms_per_batch`.
     """
-    return (os.cpu_count() or 1) * figures["in_memory_step_ms"] - figures[
-        "in_memory_cpu_ms_per_step"
-    ]
+    step_ms, cpu_ms = figures["in_memory_step_ms"], figures["in_memory_cpu_ms_per_step"]
+    return (os.cpu_count() or 1) * step_ms - cpu_ms
 
 
 def _counts(text: str) -> list[int]:

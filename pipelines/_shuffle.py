@@ -22,6 +22,8 @@ import numpy as np
 _ROUNDS = 4
 _MIN_BLOCK_BITS = 16
 _MASK32 = 0xFFFFFFFF
+# The cipher's rotations; unsigned, so that the compiled shifts stay in uint64.
+_ROTATE_1, _ROTATE_2, _ROTATE_8 = np.uint64(1), np.uint64(2), np.uint64(8)
 
 
 def _seed_seq_generate(seed: int, count: int) -> list[int]:
@@ -68,18 +70,18 @@ def _word_bits(max_index: int) -> int:
 def _cycle_walk(values, keys, w, mask, max_index):
     """Encrypts each of `values` (`uint64[k]`, in place) until it is at most `max_index`.
 
-    `keys`: `uint64[4]` round keys; `w`: bits of a half block, `mask` its
-    `2**w - 1`; all scalars `uint64`, so that no arithmetic leaves unsigned ints.
+    `keys`: `uint64[4]` round keys, masked to `w` bits; `w`: bits of a half
+    block, `mask` its `2**w - 1`; all scalars `uint64`, so that no arithmetic
+    leaves unsigned ints.
     """
-    one, two, eight = np.uint64(1), np.uint64(2), np.uint64(8)
     for i in range(values.size):
         value = values[i]
         while True:
             left = (value >> w) & mask
             right = value & mask
             for r in range(0, keys.size, 2):
-                left ^= _round_function(right, w, mask, one, two, eight) ^ (keys[r] & mask)
-                right ^= _round_function(left, w, mask, one, two, eight) ^ (keys[r + 1] & mask)
+                left ^= _round_function(right, w, mask) ^ keys[r]
+                right ^= _round_function(left, w, mask) ^ keys[r + 1]
             value = (left << w) | right
             if value <= max_index:
                 break
@@ -87,8 +89,9 @@ def _cycle_walk(values, keys, w, mask, max_index):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _round_function(x, w, mask, one, two, eight):
-    return (_rotl(x, one, w, mask) & _rotl(x, eight, w, mask)) ^ _rotl(x, two, w, mask)
+def _round_function(x, w, mask):
+    rotated_1, rotated_8 = _rotl(x, _ROTATE_1, w, mask), _rotl(x, _ROTATE_8, w, mask)
+    return (rotated_1 & rotated_8) ^ _rotl(x, _ROTATE_2, w, mask)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -105,9 +108,10 @@ def shuffled_indices(indices: np.ndarray, max_index: int, seed: int) -> np.ndarr
     values = np.array(indices, np.uint64).reshape(-1)
     if max_index == 0:
         return np.zeros(values.shape, np.int64)
-    keys = np.array(_round_keys(seed), np.uint64)
     w = _word_bits(max_index)
-    _cycle_walk(values, keys, np.uint64(w), np.uint64((1 << w) - 1), np.uint64(max_index))
+    mask = (1 << w) - 1
+    keys = np.array([key & mask for key in _round_keys(seed)], np.uint64)
+    _cycle_walk(values, keys, np.uint64(w), np.uint64(mask), np.uint64(max_index))
     return values.astype(np.int64)
 
 
