@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from embedding import _cpu_kernels
 from embedding._layout import ALIGNMENT
 from embedding._minibatch import NUM_BUCKETS
 from embedding._optimizer_updates import check_optimizer
@@ -303,6 +304,7 @@ class PreparedCall(NamedTuple):
     layout: dict[str, LayoutArrays]
     geometries: tuple[StackGeometry, ...]
     treedef: Any
+    kernels: bool
 
 
 def prepare_call(
@@ -340,7 +342,8 @@ def prepare_call(
     for g in geometries:
         _check_layout(layout[g.name], g)
         _check_variables(embedding_variables[g.name], g)
-    return PreparedCall(layout, geometries, treedef)
+    kernels = _cpu_kernels.enabled(mesh.devices.flat[0].platform)
+    return PreparedCall(layout, geometries, treedef, kernels)
 
 
 def _check_layout(layout: LayoutArrays, g: StackGeometry) -> None:
@@ -520,8 +523,26 @@ def _lookup_minibatch(
     return combined.at[slot, entries.samples].add(per_entry * entries.gains[..., None], mode="drop")
 
 
+def _lookup_minibatch_in_kernels(
+    layout: LayoutArrays, table: jax.Array, g: StackGeometry, axis: str, minibatch: Any
+) -> jax.Array:
+    """`_lookup_minibatch` with the CPU kernels (`_cpu_kernels`)."""
+    send_rows, entry_index = _cpu_kernels.route(
+        layout.row_pointers, layout.embedding_ids, minibatch, g
+    )
+    owned = exchange(send_rows, axis).reshape(-1)
+    rows = _cpu_kernels.gather_rows(table, owned).reshape(g.slots, g.devices, g.uniques, g.dim)
+    rows = exchange(rows, axis).reshape(-1, g.dim)
+    return _cpu_kernels.pool(entry_index, layout.sample_ids, layout.gains, rows, g.samples)
+
+
 def lookup_stack(
-    layout: LayoutArrays, table: jax.Array, *, geometry: StackGeometry, axis: str
+    layout: LayoutArrays,
+    table: jax.Array,
+    *,
+    geometry: StackGeometry,
+    axis: str,
+    kernels: bool = False,
 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """One device's part of one stack's lookup (inside `shard_map`).
 
@@ -530,6 +551,8 @@ def lookup_stack(
       table: `float32[S * R, D]`, this device's shard.
       geometry: the stack's geometry.
       axis: the mesh axis.
+      kernels: use the CPU kernels (`_cpu_kernels`) for the routing, the
+        gather and the pooling.
 
     Returns:
       `(activations, segment)`: per feature of the stack,
@@ -537,12 +560,22 @@ def lookup_stack(
       `find_segments` gives them.
     """
     g = geometry
-    segment = find_segments(layout, g)
-    entries = decode(layout, g, segment)
+    if kernels:
+        segment = _cpu_kernels.segments(layout.row_pointers, layout.embedding_ids, g)
+
+        def add_minibatch(k, total):
+            return total + _lookup_minibatch_in_kernels(layout, table, g, axis, k)
+    else:
+        segment = find_segments(layout, g)
+        entries = decode(layout, g, segment)
+
+        def add_minibatch(k, total):
+            return total + _lookup_minibatch(entries, table, g, axis, k)
+
     combined = over_minibatches(
         g,
         layout.num_minibatches,
-        lambda k, total: total + _lookup_minibatch(entries, table, g, axis, k),
+        add_minibatch,
         jax.lax.pcast(jnp.zeros((g.slots, g.samples, g.dim), table.dtype), axis, to="varying"),
     )
     activations = tuple(
@@ -554,9 +587,9 @@ def lookup_stack(
     return activations, segment
 
 
-@functools.partial(jax.jit, static_argnames=("geometries", "mesh"))
+@functools.partial(jax.jit, static_argnames=("geometries", "mesh", "kernels"))
 def _forward(
-    layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mesh
+    layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mesh, kernels: bool
 ) -> tuple[list, LayoutIndex]:
     axis = mesh_axis(mesh)
     spec = PartitionSpec(axis)
@@ -564,7 +597,7 @@ def _forward(
     segments = []
     for g in geometries:
         lookup = jax.shard_map(
-            functools.partial(lookup_stack, geometry=g, axis=axis),
+            functools.partial(lookup_stack, geometry=g, axis=axis, kernels=kernels),
             mesh=mesh,
             in_specs=(spec, spec),
             out_specs=spec,
@@ -621,6 +654,8 @@ def sparse_dense_matmul(
         preprocessed_input, embedding_variables, feature_specs, mesh, enable_minibatching
     )
     tables = {name: v.table for name, v in embedding_variables.items()}
-    activations, index = _forward(call.layout, tables, geometries=call.geometries, mesh=mesh)
+    activations, index = _forward(
+        call.layout, tables, geometries=call.geometries, mesh=mesh, kernels=call.kernels
+    )
     activations = jax.tree.unflatten(call.treedef, activations)
     return (activations, index) if return_layout_index else activations

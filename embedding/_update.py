@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from embedding import _cpu_kernels
 from embedding._lookup import (
     Entries,
     LayoutArrays,
@@ -70,8 +71,8 @@ def merge_duplicate_rows(
     return representative == positions, merged
 
 
-def _entry_gradients(grads: tuple[jax.Array, ...], entries: Entries, g: StackGeometry) -> jax.Array:
-    """`float32[S, C, D]`: gain times the sample's gradient, for every entry."""
+def _sample_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Array:
+    """`float32[S, P, D]`: the features' activation gradients, slot by slot."""
     blocks = [
         jnp.pad(
             grad.astype(jnp.float32).reshape(g.slots, f.samples_per_slot, f.dim),
@@ -79,28 +80,37 @@ def _entry_gradients(grads: tuple[jax.Array, ...], entries: Entries, g: StackGeo
         )
         for grad, f in zip(grads, g.features, strict=True)
     ]
-    sample_grads = jnp.concatenate(blocks, axis=1)
+    return jnp.concatenate(blocks, axis=1)
+
+
+def _entry_gradients(sample_grads: jax.Array, entries: Entries, g: StackGeometry) -> jax.Array:
+    """`float32[S, C, D]`: gain times the sample's gradient, for every entry."""
     slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
     entry_grads = sample_grads.at[slot, entries.samples].get(mode="fill", fill_value=0)
     return entry_grads * entries.gains[..., None]
 
 
-def _update_minibatch(
-    entries: Entries,
-    entry_grads: jax.Array,
+def _owner_update(
+    rows: jax.Array,
+    received: jax.Array,
     variables: EmbeddingVariables,
     learning_rate: jax.Array,
     step: jax.Array,
     g: StackGeometry,
-    axis: str,
-    minibatch: Any,
+    kernels: bool,
 ) -> EmbeddingVariables:
-    routing = route(entries, g, minibatch)
-    slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
-    unique_grads = jnp.zeros((g.slots, g.devices, g.uniques, g.dim), jnp.float32)
-    unique_grads = unique_grads.at[slot, routing.dest, routing.unique].add(entry_grads, mode="drop")
-    rows = exchange(routing.send_rows, axis).reshape(-1)
-    received = exchange(unique_grads, axis).reshape(-1, g.dim)
+    """Merges the gradients of each received row and applies the optimizer.
+
+    Args:
+      rows: `int32[S * G * U]` shard rows (`S * R` where unused).
+      received: `float32[S * G * U, D]` their gradients.
+    """
+    if kernels and _cpu_kernels.updates_in_kernel(g.optimizer):
+        return EmbeddingVariables(
+            *_cpu_kernels.apply_update(
+                g.optimizer, rows, received, variables.table, variables.slots, learning_rate, g
+            )
+        )
     first, merged = merge_duplicate_rows(rows, received, g.shard_rows)
     target = jnp.where(first, rows, g.shard_rows)
     old_rows = variables.table.at[target].get(mode="fill", fill_value=0)
@@ -124,6 +134,49 @@ def _update_minibatch(
     )
 
 
+def _update_minibatch(
+    entries: Entries,
+    entry_grads: jax.Array,
+    variables: EmbeddingVariables,
+    learning_rate: jax.Array,
+    step: jax.Array,
+    g: StackGeometry,
+    axis: str,
+    minibatch: Any,
+) -> EmbeddingVariables:
+    routing = route(entries, g, minibatch)
+    slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
+    unique_grads = jnp.zeros((g.slots, g.devices, g.uniques, g.dim), jnp.float32)
+    unique_grads = unique_grads.at[slot, routing.dest, routing.unique].add(entry_grads, mode="drop")
+    rows = exchange(routing.send_rows, axis).reshape(-1)
+    received = exchange(unique_grads, axis).reshape(-1, g.dim)
+    return _owner_update(rows, received, variables, learning_rate, step, g, kernels=False)
+
+
+def _update_minibatch_in_kernels(
+    layout: LayoutArrays,
+    sample_grads: jax.Array,
+    variables: EmbeddingVariables,
+    learning_rate: jax.Array,
+    step: jax.Array,
+    g: StackGeometry,
+    axis: str,
+    minibatch: Any,
+) -> EmbeddingVariables:
+    """`_update_minibatch` with the CPU kernels (`_cpu_kernels`)."""
+    send_rows, entry_index = _cpu_kernels.route(
+        layout.row_pointers, layout.embedding_ids, minibatch, g
+    )
+    unique_grads = _cpu_kernels.pool_transpose(
+        entry_index, layout.sample_ids, layout.gains, sample_grads, g.slots * g.devices * g.uniques
+    )
+    rows = exchange(send_rows, axis).reshape(-1)
+    received = exchange(unique_grads.reshape(g.slots, g.devices, g.uniques, g.dim), axis)
+    return _owner_update(
+        rows, received.reshape(-1, g.dim), variables, learning_rate, step, g, kernels=True
+    )
+
+
 def update_stack(
     layout: LayoutArrays,
     grads: tuple[jax.Array, ...],
@@ -134,6 +187,7 @@ def update_stack(
     *,
     geometry: StackGeometry,
     axis: str,
+    kernels: bool = False,
 ) -> EmbeddingVariables:
     """One device's part of one stack's update (inside `shard_map`).
 
@@ -147,24 +201,33 @@ def update_stack(
         (`find_segments`), or None to find them here.
       geometry: the stack's geometry.
       axis: the mesh axis.
+      kernels: use the CPU kernels (`_cpu_kernels`); the segments are then
+        not needed.
 
     Returns:
       The updated shards.
     """
     g = geometry
-    entries = decode(layout, g, segment)
-    entry_grads = _entry_gradients(grads, entries, g)
-    return over_minibatches(
-        g,
-        layout.num_minibatches,
-        lambda k, current: _update_minibatch(
-            entries, entry_grads, current, learning_rate, step, g, axis, k
-        ),
-        variables,
-    )
+    sample_grads = _sample_gradients(grads, g)
+    if kernels:
+
+        def update_minibatch(k, current):
+            return _update_minibatch_in_kernels(
+                layout, sample_grads, current, learning_rate, step, g, axis, k
+            )
+    else:
+        entries = decode(layout, g, segment)
+        entry_grads = _entry_gradients(sample_grads, entries, g)
+
+        def update_minibatch(k, current):
+            return _update_minibatch(entries, entry_grads, current, learning_rate, step, g, axis, k)
+
+    return over_minibatches(g, layout.num_minibatches, update_minibatch, variables)
 
 
-@functools.partial(jax.jit, static_argnames=("geometries", "mesh"), donate_argnames=("variables",))
+@functools.partial(
+    jax.jit, static_argnames=("geometries", "mesh", "kernels"), donate_argnames=("variables",)
+)
 def _apply(
     grads,
     layout,
@@ -174,6 +237,7 @@ def _apply(
     *,
     geometries: tuple[StackGeometry, ...],
     mesh: Mesh,
+    kernels: bool,
 ):
     axis = mesh_axis(mesh)
     spec, replicated = PartitionSpec(axis), PartitionSpec()
@@ -184,7 +248,7 @@ def _apply(
         segment = None if index is None else index.segments[:, start : start + g.capacity]
         start += g.capacity
         update = jax.shard_map(
-            functools.partial(update_stack, geometry=g, axis=axis),
+            functools.partial(update_stack, geometry=g, axis=axis, kernels=kernels),
             mesh=mesh,
             in_specs=(spec, spec, spec, replicated, replicated, spec),
             out_specs=spec,
@@ -291,4 +355,5 @@ def apply_gradients(
         _checked_index(layout_index, call),
         geometries=call.geometries,
         mesh=mesh,
+        kernels=call.kernels,
     )

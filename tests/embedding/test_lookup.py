@@ -22,6 +22,9 @@ from lookup_reference import (
 
 import embedding
 
+# Every test runs on the CPU kernels and on the pure-JAX path.
+pytestmark = pytest.mark.usefixtures("lookup_path")
+
 SGD = embedding.SGDOptimizerSpec(learning_rate=0.1)
 
 

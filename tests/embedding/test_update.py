@@ -26,6 +26,9 @@ from lookup_reference import (
 
 import embedding
 
+# Every test runs on the CPU kernels and on the pure-JAX path.
+pytestmark = pytest.mark.usefixtures("lookup_path")
+
 OPTIMIZERS = {
     "sgd": embedding.SGDOptimizerSpec(learning_rate=0.1),
     "sgd_schedule": embedding.SGDOptimizerSpec(learning_rate=lambda step: 0.2 / (1.0 + step)),
@@ -332,3 +335,28 @@ def test_layout_index_of_another_geometry_is_rejected():
         embedding.apply_gradients(
             _activation_grads(0), preprocessed, variables, specs, mesh, 0, layout_index=(1, 2)
         )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_update_runs_in_the_kernel_in_place(optimizer, lookup_path):
+    """On the kernel path the owner's merge and update is one custom call per
+    stack, its table and slot aliased to the outputs; on the other, none."""
+    devices, slots = 2, 2
+    specs, mesh = feature_specs("sum", OPTIMIZERS[optimizer], devices, slots), mesh_of(devices)
+    variables = jax.eval_shape(
+        lambda key: embedding.init_embedding_variables(key, specs, mesh, num_sc_per_device=slots),
+        jax.random.key(0),
+    )
+    preprocessed = preprocess(make_batch(0), specs, devices, slots)
+    grads = _activation_grads(0)
+    step = jax.jit(
+        lambda v: embedding.apply_gradients(grads, preprocessed, v, specs, mesh, 0),
+        donate_argnums=0,
+    )
+    text = step.lower(variables).compile().as_text()
+    target = f"sparseflow_update_{optimizer}"
+    calls = len(re.findall(rf'custom_call_target="{target}"', text))
+    assert calls == (len(variables) if lookup_path == "cpu_kernels" else 0)
+    header = text.splitlines()[0].split("entry_computation_layout")[0]
+    num_buffers = sum(1 + len(v.slots) for v in variables.values())
+    assert len(re.findall(r"(?:may|must)-alias", header)) == num_buffers

@@ -1,0 +1,314 @@
+"""CPU kernels for the hot part of the lookup and the update, through `jax.ffi`.
+
+On CPU, XLA runs the lookup's gathers and scatters element by element over
+whole buffers (their size is the layout's capacity, not the batch's ids),
+finds the layout's segments with a scatter and a prefix count, and merges a
+row's gradients through a buffer the size of the table shard. The kernels in
+`_cpu_kernels.cc` do the same work in linear passes over the entries and the
+received rows (`benchmarks/lookup.py` measures the difference):
+
+* `route`: one pass over a slot's layout gives every entry's place among
+  the distinct rows and the rows to request from each device;
+* `pool` and its transpose: gain times row, summed per sample (and back);
+* `apply_update`: the owner merges the sorted runs of rows it received and
+  applies SGD, Adagrad or row-wise Adagrad once per row, in place.
+
+The pure-JAX path (`_lookup.py`, `_update.py`) stays the reference and the
+path of every other platform; set `SPARSEFLOW_CPU_KERNELS=0` to use it on CPU
+too. The library is compiled with the machine's C++ compiler on first use
+(`make` builds it ahead) into `embedding/` when writable, else the user's
+cache folder, under a name that carries the source's hash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from embedding._optimizers import (
+    AdagradOptimizerSpec,
+    OptimizerSpec,
+    RowWiseAdagradOptimizerSpec,
+    SGDOptimizerSpec,
+)
+
+_LOG = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_suffix(".cc")
+_TARGETS = {
+    "SfSegments": "sparseflow_segments",
+    "SfRoute": "sparseflow_route",
+    "SfGatherRows": "sparseflow_gather_rows",
+    "SfPool": "sparseflow_pool",
+    "SfPoolTranspose": "sparseflow_pool_transpose",
+    "SfUpdateSgd": "sparseflow_update_sgd",
+    "SfUpdateAdagrad": "sparseflow_update_adagrad",
+    "SfUpdateRowWiseAdagrad": "sparseflow_update_rowwise_adagrad",
+}
+_UPDATE_TARGETS = {
+    SGDOptimizerSpec: "sparseflow_update_sgd",
+    AdagradOptimizerSpec: "sparseflow_update_adagrad",
+    RowWiseAdagradOptimizerSpec: "sparseflow_update_rowwise_adagrad",
+}
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+
+def _library_name() -> str:
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return f"_cpu_kernels-{digest}.so"
+
+
+def _build_folders() -> list[Path]:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparseflow"
+    return [_SOURCE.parent, cache]
+
+
+def build() -> Path:
+    """Compiles the kernels (once per source version) and returns the library.
+
+    Raises:
+      RuntimeError: no C++ compiler, or the compilation failed (with its output).
+    """
+    name = _library_name()
+    for folder in _build_folders():
+        if (folder / name).exists():
+            return folder / name
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) to build the CPU kernels")
+    for folder in _build_folders():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError:
+            continue
+        os.close(handle)
+        command = [compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), str(_SOURCE)]
+        result = subprocess.run(
+            [*command, "-o", temporary], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            os.unlink(temporary)
+            raise RuntimeError(f"building the CPU kernels failed:\n{result.stderr}")
+        # Renaming into place is atomic: concurrent builds never load a half file.
+        os.replace(temporary, folder / name)
+        return folder / name
+    raise RuntimeError(f"no writable folder for the CPU kernels among {_build_folders()}")
+
+
+@functools.cache
+def _registered() -> bool:
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+    except (RuntimeError, OSError) as e:
+        _LOG.warning("CPU kernels unavailable, using the pure-JAX lookup: %s", e)
+        return False
+    for symbol, target in _TARGETS.items():
+        jax.ffi.register_ffi_target(
+            target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+        )
+    return True
+
+
+def enabled(platform: str) -> bool:
+    """Whether the lookup on `platform` uses the kernels: on CPU, unless
+    `SPARSEFLOW_CPU_KERNELS=0`, when they build and load."""
+    if platform != "cpu" or os.environ.get("SPARSEFLOW_CPU_KERNELS", "1") == "0":
+        return False
+    return _registered()
+
+
+def updates_in_kernel(optimizer: OptimizerSpec) -> bool:
+    """Whether the owner's merge and update of `optimizer` run in a kernel
+    (the others gather, apply `_optimizer_updates` and scatter in XLA)."""
+    return type(optimizer) in _UPDATE_TARGETS
+
+
+def _i64(value: int) -> np.int64:
+    return np.int64(value)
+
+
+def _result(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel's output type, varying over the same mesh axes as `like`
+    (inside `shard_map`, where a kernel's result is per device)."""
+    like = jax.typeof(like)
+    return jax.ShapeDtypeStruct(
+        shape,
+        dtype,
+        sharding=NamedSharding(like.sharding.mesh, PartitionSpec()),
+        manual_axis_type=like.mat,
+    )
+
+
+def segments(row_pointers: jax.Array, ids: jax.Array, g) -> jax.Array:
+    """`int32[S, C]` as `_lookup.find_segments` gives it."""
+    return jax.ffi.ffi_call("sparseflow_segments", _result((g.slots, g.capacity), jnp.int32, ids))(
+        row_pointers,
+        ids,
+        slots=_i64(g.slots),
+        partitions=_i64(g.partitions),
+        minibatches=_i64(g.minibatches),
+        width=_i64(g.row_pointer_width),
+    )
+
+
+def route(row_pointers: jax.Array, ids: jax.Array, minibatch, g) -> tuple[jax.Array, jax.Array]:
+    """`(send_rows int32[S, G, U], entry_index int32[S, C])` of one minibatch.
+
+    `send_rows` as `_lookup.Routing` has it; `entry_index` is each entry's
+    flat index into `[S, G, U]`, -1 for entries outside the minibatch.
+    """
+    return jax.ffi.ffi_call(
+        "sparseflow_route",
+        (
+            _result((g.slots, g.devices, g.uniques), jnp.int32, ids),
+            _result((g.slots, g.capacity), jnp.int32, ids),
+        ),
+    )(
+        row_pointers,
+        ids,
+        jnp.asarray(minibatch, jnp.int32).reshape(1),
+        devices=_i64(g.devices),
+        slots=_i64(g.slots),
+        minibatches=_i64(g.minibatches),
+        width=_i64(g.row_pointer_width),
+        rows=_i64(g.rows),
+        uniques=_i64(g.uniques),
+    )
+
+
+@jax.custom_vjp
+def gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
+    """`float32[M, D]`: `table[rows]`, zero for rows out of range (`int32[M]`).
+
+    Differentiable with respect to `table` (a scatter-add, as XLA's gather).
+    """
+    return jax.ffi.ffi_call(
+        "sparseflow_gather_rows",
+        _result((rows.shape[0], table.shape[1]), jnp.float32, rows),
+    )(table, rows)
+
+
+def _gather_rows_forward(table, rows):
+    return gather_rows(table, rows), (rows, table.shape)
+
+
+def _gather_rows_backward(residuals, grads):
+    rows, shape = residuals
+    table_grads = jnp.zeros(shape, grads.dtype).at[rows].add(grads, mode="drop")
+    return table_grads, np.zeros(rows.shape, jax.dtypes.float0)
+
+
+gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
+
+
+def _pool(entry_index, samples, gains, rows, num_samples):
+    slots = entry_index.shape[0]
+    return jax.ffi.ffi_call(
+        "sparseflow_pool",
+        _result((slots, num_samples, rows.shape[1]), jnp.float32, entry_index),
+    )(entry_index, samples, gains, rows)
+
+
+def pool_transpose(entry_index, samples, gains, grads, num_rows: int) -> jax.Array:
+    """`float32[num_rows, D]`: per distinct row, the sum of gain times the
+    gradient `float32[S, P, D]` of the samples of its entries."""
+    return jax.ffi.ffi_call(
+        "sparseflow_pool_transpose",
+        _result((num_rows, grads.shape[2]), jnp.float32, entry_index),
+    )(entry_index, samples, gains, grads)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def pool(entry_index, samples, gains, rows, num_samples: int) -> jax.Array:
+    """`float32[S, P, D]`: per sample, the sum of gain times row over its entries.
+
+    Args:
+      entry_index: `int32[S, C]` from `route`.
+      samples: `int32[S * C]` each entry's sample in its slot.
+      gains: `float32[S * C]`.
+      rows: `float32[S * G * U, D]` the distinct rows in `route`'s order.
+      num_samples: P.
+
+    Differentiable with respect to `rows` (by `pool_transpose`).
+    """
+    return _pool(entry_index, samples, gains, rows, num_samples)
+
+
+def _pool_forward(entry_index, samples, gains, rows, num_samples):
+    return _pool(entry_index, samples, gains, rows, num_samples), (
+        entry_index,
+        samples,
+        gains,
+        rows.shape[0],
+    )
+
+
+def _pool_backward(num_samples, residuals, grads):
+    del num_samples
+    entry_index, samples, gains, num_rows = residuals
+    row_grads = pool_transpose(entry_index, samples, gains, grads, num_rows)
+    return None, None, None, row_grads
+
+
+pool.defvjp(_pool_forward, _pool_backward)
+
+
+def apply_update(
+    optimizer: OptimizerSpec,
+    received_rows: jax.Array,
+    received_grads: jax.Array,
+    table: jax.Array,
+    slots,
+    learning_rate: jax.Array,
+    g,
+):
+    """Merges the received gradients per row and applies `optimizer` in place.
+
+    Args:
+      optimizer: SGD, Adagrad or row-wise Adagrad (`updates_in_kernel`).
+      received_rows: `int32[S * G * U]`: runs of U shard rows, one per source
+        slot and device, each ascending and padded with `S * R`.
+      received_grads: `float32[S * G * U, D]` the rows' gradients.
+      table: `float32[S * R, D]`, this device's shard (donated).
+      slots: the optimizer's slots of the shard (donated).
+      learning_rate: scalar.
+      g: the stack's geometry.
+
+    Returns:
+      `(table, slots)` updated.
+    """
+    starts = jnp.asarray([start for start, _ in g.table_dims], jnp.int32)
+    dims = jnp.asarray([dim for _, dim in g.table_dims], jnp.int32)
+    state = (table, *slots)
+    outputs = jax.ffi.ffi_call(
+        _UPDATE_TARGETS[type(optimizer)],
+        tuple(_result(x.shape, x.dtype, x) for x in state),
+        input_output_aliases={5 + i: i for i in range(len(state))},
+    )(
+        received_rows,
+        received_grads,
+        jnp.asarray(learning_rate, jnp.float32).reshape(1),
+        starts,
+        dims,
+        *state,
+        runs=_i64(g.slots * g.devices),
+        rows_per_partition=_i64(g.rows),
+        epsilon=np.float32(getattr(optimizer, "epsilon", 0.0)),
+    )
+    return outputs[0], type(slots)(*outputs[1:])
+
+
+if __name__ == "__main__":
+    print(build())
