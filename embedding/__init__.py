@@ -12,13 +12,8 @@ from embedding._fdo_client import (
     merge_fdo_stats,
     write_fdo_stats,
 )
-from embedding._fdo_file import (
-    FdoGeometry,
-    FdoStats,
-    FdoStatsError,
-    StackFdoStats,
-    TableIdFrequency,
-)
+from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats, TableIdFrequency
+from embedding._fdo_geometry import FdoGeometry
 from embedding._fdo_limits import StackLimits, apply_fdo, fdo_limits, set_stack_limits
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError, aligned_empty

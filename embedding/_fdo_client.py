@@ -19,13 +19,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from embedding._fdo_file import (
-    LIMIT_FIELDS,
-    FdoGeometry,
-    FdoStats,
-    FdoStatsError,
-    StackFdoStats,
-)
+from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats
+from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry
 from embedding._preprocess import SparseDenseMatmulInputStats
 
 _log = logging.getLogger(__name__)

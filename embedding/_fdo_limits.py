@@ -9,7 +9,8 @@ from collections.abc import Mapping
 
 import jax
 
-from embedding._fdo_file import FdoStats
+from embedding._fdo_file import FdoStats, StackFdoStats
+from embedding._layout import INT32_MAX
 from embedding._specs import FeatureSpec, check_positive_int, round_up
 from embedding._stacking import Nested, get_stacked_table_specs, prepare_feature_specs_for_training
 
@@ -58,21 +59,38 @@ def fdo_limits(stats: FdoStats, *, headroom: float = 1.1) -> dict[str, StackLimi
     over partitions times `headroom`, rounded up; the buffer: the maximum
     required size of a partition slot times S times `headroom`, rounded up
     to a multiple of `8 * S` (as the layout needs).
+
+    Raises:
+      ValueError: a bad headroom, or one that takes a buffer past the int32
+        indices of the layout (stats near the largest buffer the geometry
+        allows).
     """
     factor = _headroom(headroom)
-    slots = stats.geometry.partitions_per_device
     return {
-        name: StackLimits(
-            max_ids_per_partition=_scaled(int(stack.max_ids_per_partition.max()), factor),
-            max_unique_ids_per_partition=_scaled(
-                int(stack.max_unique_ids_per_partition.max()), factor
-            ),
-            suggested_coo_buffer_size_per_device=round_up(
-                _scaled(int(stack.required_buffer_size_per_sc.max()) * slots, factor), 8 * slots
-            ),
-        )
+        name: _stack_limits(name, stack, stats.geometry.partitions_per_device, factor)
         for name, stack in stats.stacks.items()
     }
+
+
+def _stack_limits(
+    name: str, stack: StackFdoStats, slots: int, headroom: fractions.Fraction
+) -> StackLimits:
+    buffer = round_up(
+        _scaled(int(stack.required_buffer_size_per_sc.max()) * slots, headroom), 8 * slots
+    )
+    # The ids limits stay below the buffer: a partition's ids fit a slot's buffer.
+    if buffer > INT32_MAX:
+        raise ValueError(
+            f"Stack {name!r}: headroom {float(headroom):g} makes a buffer of {buffer} entries per "
+            f"device, over the {INT32_MAX} int32 indices address; use a smaller headroom."
+        )
+    return StackLimits(
+        max_ids_per_partition=_scaled(int(stack.max_ids_per_partition.max()), headroom),
+        max_unique_ids_per_partition=_scaled(
+            int(stack.max_unique_ids_per_partition.max()), headroom
+        ),
+        suggested_coo_buffer_size_per_device=buffer,
+    )
 
 
 def set_stack_limits(
