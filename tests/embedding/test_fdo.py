@@ -235,6 +235,10 @@ def test_client_checks_what_it_records_and_publishes(tmp_path):
             "fdo_stats-p00000-00000000000000000001.json: corrupt FDO stats file",
         ),
         (
+            lambda d: (d / "fdo_stats-p00000-00000000000000000001.json").write_text("[" * 100_000),
+            "fdo_stats-p00000-00000000000000000001.json: corrupt FDO stats file: nested too deeply",
+        ),
+        (
             lambda d: embedding.write_fdo_stats(_stats(config_hash="cd" * 32), d, source="p00000"),
             "computed for config hash cdcdcdcdcdcdcdcd..., expected abababababababab",
         ),
@@ -245,7 +249,7 @@ def test_client_checks_what_it_records_and_publishes(tmp_path):
             "another batch geometry: processes 1 in the file, 2 expected",
         ),
     ],
-    ids=["missing", "corrupt", "other config", "other geometry"],
+    ids=["missing", "corrupt", "deeply nested", "other config", "other geometry"],
 )
 def test_bad_stats_files_raise_or_default_with_a_warning(tmp_path, caplog, write, message):
     write(tmp_path)
