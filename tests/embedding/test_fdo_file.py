@@ -43,7 +43,11 @@ STACK = ("stacks", "t")
 LARGEST_SLOT_BUFFER = 1073741816
 
 
+_DELETE = object()
+
+
 def _changed(path: tuple, value) -> dict:
+    """A copy of DOCUMENT with the entry at `path` set to `value` (or deleted)."""
     document = copy.deepcopy(DOCUMENT)
     *parents, last = path
     node = document
@@ -54,9 +58,6 @@ def _changed(path: tuple, value) -> dict:
     else:
         node[last] = value
     return document
-
-
-_DELETE = object()
 
 
 def _load(tmp_path, text: str) -> embedding.FdoStats:
