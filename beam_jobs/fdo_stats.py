@@ -6,7 +6,7 @@ partial batch dropped; see `beam_jobs._batches`), lays every host's share of
 every batch out with the online preprocessing, and writes per stacked table
 the maxima per partition, percentiles of the per-batch maxima, a histogram
 of the per-partition max ids and per logical table the id frequencies, as
-an FDO stats file (`embedding.FdoStats`; format in `embedding._fdo`).
+an FDO stats file (`embedding.FdoStats`; format in `embedding._fdo_file`).
 
 Outputs in `out_dir`:
   `fdo_stats-offline-<time_ns>.json`  the stats (load with

@@ -4,23 +4,17 @@ This package imports none of sparseflow's other packages.
 """
 
 from embedding import initializers
-from embedding._fdo import (
+from embedding._fdo_client import (
     FdoClient,
-    FdoGeometry,
-    FdoStats,
-    FdoStatsError,
     OnMismatch,
-    StackFdoStats,
-    StackLimits,
-    TableIdFrequency,
-    apply_fdo,
-    fdo_limits,
     fdo_stats_file_name,
     load_fdo_stats,
     merge_fdo_stats,
-    set_stack_limits,
     write_fdo_stats,
 )
+from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats, TableIdFrequency
+from embedding._fdo_geometry import FdoGeometry
+from embedding._fdo_limits import StackLimits, apply_fdo, fdo_limits, set_stack_limits
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError, aligned_empty
 from embedding._lookup import LayoutIndex, sparse_dense_matmul

@@ -39,7 +39,7 @@ def _combiner(value: str | Combiner, owner: str) -> Combiner:
         raise ValueError(f"{owner}: combiner must be one of {choices}; got {value!r}.") from None
 
 
-def _positive_int(value: Any, what: str) -> None:
+def check_positive_int(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{what} must be a positive integer, got {value!r}.")
 
@@ -131,12 +131,14 @@ class TableSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}.")
         object.__setattr__(self, "combiner", _combiner(self.combiner, owner))
-        _positive_int(self.vocabulary_size, f"{owner}: vocabulary_size")
-        _positive_int(self.embedding_dim, f"{owner}: embedding_dim")
-        _positive_int(self.max_ids_per_partition, f"{owner}: max_ids_per_partition")
-        _positive_int(self.max_unique_ids_per_partition, f"{owner}: max_unique_ids_per_partition")
+        check_positive_int(self.vocabulary_size, f"{owner}: vocabulary_size")
+        check_positive_int(self.embedding_dim, f"{owner}: embedding_dim")
+        check_positive_int(self.max_ids_per_partition, f"{owner}: max_ids_per_partition")
+        check_positive_int(
+            self.max_unique_ids_per_partition, f"{owner}: max_unique_ids_per_partition"
+        )
         if self.suggested_coo_buffer_size_per_device is not None:
-            _positive_int(
+            check_positive_int(
                 self.suggested_coo_buffer_size_per_device,
                 f"{owner}: suggested_coo_buffer_size_per_device",
             )
@@ -209,7 +211,7 @@ class FeatureSpec:
                 f"{owner}: input_shape batch {self.input_shape[0]} differs from "
                 f"output_shape batch {self.output_shape[0]}."
             )
-        _positive_int(self.input_shape[0], f"{owner}: global batch (input_shape[0])")
+        check_positive_int(self.input_shape[0], f"{owner}: global batch (input_shape[0])")
         if self.output_shape[1] != self.table_spec.embedding_dim:
             raise ValueError(
                 f"{owner}: output_shape[1] = {self.output_shape[1]} must equal the "

@@ -1,4 +1,4 @@
-"""FDO stats files, the FDO client and the limits they set (embedding/_fdo.py)."""
+"""FDO stats files, the FDO client and the limits they set (embedding/_fdo_*.py)."""
 
 import dataclasses
 import json
@@ -126,7 +126,7 @@ def test_geometry_rejects_bad_values(changes, message):
 
 def test_stats_file_round_trip_with_offline_summaries():
     histogram = np.zeros((N, 12), np.int64)
-    histogram[:, [3, 11]] = [4, 1]
+    histogram[:, [3, 11]] = [2, 1]  # every partition: 3 batches
     percentiles = {"max_ids_per_partition": {"p50": 3, "p90": 5, "p99": 11, "p99.9": 11, "max": 11}}
     stats = dataclasses.replace(
         _stats(11, batch_max_percentiles=percentiles, partition_histogram=histogram),
@@ -148,9 +148,9 @@ def test_stats_file_round_trip_with_offline_summaries():
     "text, message",
     [
         ("{not json", "not JSON"),
-        ('{"format": "other"}', "'format' is not 'sparseflow.fdo_stats'"),
-        ('{"format": "sparseflow.fdo_stats", "version": 9}', "version 9 is not the supported"),
-        ('{"format": "sparseflow.fdo_stats", "version": 1}', "missing entry 'stacks'"),
+        ('{"format": "other"}', "format: must be 'sparseflow.fdo_stats', got 'other'"),
+        ('{"format": "sparseflow.fdo_stats", "version": 9}', "version: 9 is not the supported"),
+        ('{"format": "sparseflow.fdo_stats", "version": 1}', "missing entry 'config_hash'"),
     ],
 )
 def test_corrupt_stats_text_names_the_source_and_the_problem(text, message):
@@ -162,7 +162,8 @@ def test_corrupt_stats_text_names_the_source_and_the_problem(text, message):
 
 def test_stats_reject_arrays_of_another_geometry():
     with pytest.raises(
-        ValueError, match=r"'ta': max_ids_per_partition has shape \(32,\), expected \(16,\)"
+        ValueError,
+        match=r"stacks\['ta'\]\.max_ids_per_partition: has shape \(32,\), expected \(16,\)",
     ):
         embedding.FdoStats(
             config_hash=HASH, geometry=GEOMETRY, batches=1, stacks={"ta": _stack_stats(1, 1)}
@@ -234,6 +235,10 @@ def test_client_checks_what_it_records_and_publishes(tmp_path):
             "fdo_stats-p00000-00000000000000000001.json: corrupt FDO stats file",
         ),
         (
+            lambda d: (d / "fdo_stats-p00000-00000000000000000001.json").write_text("[" * 100_000),
+            "fdo_stats-p00000-00000000000000000001.json: corrupt FDO stats file: nested too deeply",
+        ),
+        (
             lambda d: embedding.write_fdo_stats(_stats(config_hash="cd" * 32), d, source="p00000"),
             "computed for config hash cdcdcdcdcdcdcdcd..., expected abababababababab",
         ),
@@ -244,14 +249,14 @@ def test_client_checks_what_it_records_and_publishes(tmp_path):
             "another batch geometry: processes 1 in the file, 2 expected",
         ),
     ],
-    ids=["missing", "corrupt", "other config", "other geometry"],
+    ids=["missing", "corrupt", "deeply nested", "other config", "other geometry"],
 )
 def test_bad_stats_files_raise_or_default_with_a_warning(tmp_path, caplog, write, message):
     write(tmp_path)
     with pytest.raises(embedding.FdoStatsError, match=message):
         embedding.load_fdo_stats(tmp_path, expected_config_hash=HASH, expected_geometry=GEOMETRY)
     client = embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY)
-    with caplog.at_level(logging.WARNING, logger="embedding._fdo"):
+    with caplog.at_level(logging.WARNING, logger="embedding._fdo_client"):
         assert client.load(on_mismatch="warn_and_default") is None
     assert message.split(":")[0] in caplog.text and "using the configured limits" in caplog.text
 
@@ -270,20 +275,20 @@ def test_fdo_limits_hand_case():
         batches=1,
         stacks={
             "ta": embedding.StackFdoStats(
-                max_ids_per_partition=np.r_[100, np.zeros(LOCAL * N - 1)],
-                max_unique_ids_per_partition=np.r_[np.zeros(LOCAL * N - 1), 7],
-                required_buffer_size_per_sc=[40, 8, 0, 16],
+                max_ids_per_partition=np.r_[100, np.zeros(LOCAL * N - 2, int), 7],
+                max_unique_ids_per_partition=np.r_[np.zeros(LOCAL * N - 1, int), 7],
+                required_buffer_size_per_sc=[104, 8, 0, 16],
             ),
             "tb": _stack_stats(0),
         },
     )
     limits = embedding.fdo_limits(stats, headroom=1.1)
     # 100 x 1.1 = 110 exactly (not 111 from float rounding); 7 x 1.1 -> 8;
-    # 40 x S=2 x 1.1 = 88 -> a multiple of 8 x S = 16: 96.
+    # 104 x S=2 x 1.1 = 228.8 -> 229 -> a multiple of 8 x S = 16: 240.
     assert limits["ta"] == embedding.StackLimits(
         max_ids_per_partition=110,
         max_unique_ids_per_partition=8,
-        suggested_coo_buffer_size_per_device=96,
+        suggested_coo_buffer_size_per_device=240,
     )
     assert limits["tb"] == embedding.StackLimits(
         max_ids_per_partition=1,

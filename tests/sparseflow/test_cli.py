@@ -1,5 +1,6 @@
 """The `sparseflow` command line: make-data, stats, and one-line user errors."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,37 @@ def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
 def test_demo_defaults_to_the_shipped_demo_config():
     assert _cli.DEFAULT_DEMO_CONFIG == CONFIGS / "demo.yaml"
     assert _cli._parser().parse_args(["demo"]).config == CONFIGS / "demo.yaml"
+
+
+_NEGATIVE_IDS = {
+    "format": "sparseflow.fdo_stats",
+    "version": 1,
+    "config_hash": "ab" * 32,
+    "geometry": {"global_batch_size": 2, "devices": 1, "partitions_per_device": 1, "processes": 1},
+    "batches": 1,
+    "stacks": {
+        "a_b": {
+            "max_ids_per_partition": [-1],
+            "max_unique_ids_per_partition": [0],
+            "required_buffer_size_per_sc": [0],
+        }
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            json.dumps(_NEGATIVE_IDS),
+            "corrupt FDO stats file: stacks['a_b'].max_ids_per_partition[0]: must be an integer",
+        ),
+        ("[" * 100_000, "corrupt FDO stats file: nested too deeply"),
+    ],
+    ids=["negative value", "deeply nested"],
+)
+def test_a_corrupt_fdo_stats_file_is_a_user_error(tmp_path, capsys, text, message):
+    stats = tmp_path / "fdo_stats-offline-00000000000000000001.json"
+    stats.write_text(text)
+    argv = ["train", "--config", str(_config(tmp_path)), "--fdo", str(stats)]
+    _assert_user_error(capsys, argv, f"error: {stats}: {message}")

@@ -1,0 +1,78 @@
+"""The batch geometry FDO stats are computed for, and the sizes and bounds it sets on them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from embedding._layout import INT32_MAX
+from embedding._specs import check_positive_int
+from embedding._stacking import check_partition_count
+
+LIMIT_FIELDS = (
+    "max_ids_per_partition",
+    "max_unique_ids_per_partition",
+    "required_buffer_size_per_sc",
+)
+"""The per-partition stats, the ones the limits come from."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FdoGeometry:
+    """The batch geometry stats are computed for; other geometries need other stats.
+
+    Attributes:
+      global_batch_size: B, examples per global batch.
+      devices: G, devices over all hosts.
+      partitions_per_device: S.
+      processes: P, hosts; host h takes rows `[h*B/P, (h+1)*B/P)` of a batch.
+    """
+
+    global_batch_size: int
+    devices: int
+    partitions_per_device: int
+    processes: int = 1
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            check_positive_int(getattr(self, field.name), f"FdoGeometry.{field.name}")
+        check_partition_count(self.devices, self.partitions_per_device)
+        if self.devices % self.processes:
+            raise ValueError(
+                f"FdoGeometry: {self.processes} processes cannot share {self.devices} "
+                "devices evenly."
+            )
+        if self.global_batch_size % self.num_partitions:
+            raise ValueError(
+                f"FdoGeometry: global_batch_size {self.global_batch_size} must be a "
+                f"multiple of devices x partitions_per_device = {self.num_partitions}."
+            )
+
+    @property
+    def num_partitions(self) -> int:
+        """N = G * S."""
+        return self.devices * self.partitions_per_device
+
+    @property
+    def local_devices(self) -> int:
+        """L = G / P, devices of one host."""
+        return self.devices // self.processes
+
+
+def stat_sizes(geometry: FdoGeometry) -> dict[str, int]:
+    """The length of every stat in `LIMIT_FIELDS`: `L * N` per partition, `L * S` per slot."""
+    per_partition = geometry.local_devices * geometry.num_partitions
+    return {
+        "max_ids_per_partition": per_partition,
+        "max_unique_ids_per_partition": per_partition,
+        "required_buffer_size_per_sc": geometry.local_devices * geometry.partitions_per_device,
+    }
+
+
+def largest_slot_buffer(geometry: FdoGeometry) -> int:
+    """The largest buffer one partition slot may require, a multiple of 8.
+
+    The layout pads every partition's segment to 8 entries, and a device's S
+    slots together must stay within the int32 indices of the layout and
+    the lookup.
+    """
+    return INT32_MAX // geometry.partitions_per_device // 8 * 8

@@ -1,0 +1,177 @@
+"""The limits and buffer sizes FDO stats call for, and specs that carry them."""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import math
+from collections.abc import Mapping
+
+import jax
+
+from embedding._fdo_file import FdoStats, StackFdoStats
+from embedding._layout import INT32_MAX
+from embedding._specs import FeatureSpec, check_positive_int, round_up
+from embedding._stacking import Nested, get_stacked_table_specs, prepare_feature_specs_for_training
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StackLimits:
+    """A stacked table's limits, as `StackedTableSpec` holds them.
+
+    Attributes:
+      max_ids_per_partition: entries per (slot, partition) and batch.
+      max_unique_ids_per_partition: distinct ids per (slot, partition).
+      suggested_coo_buffer_size_per_device: buffer entries per device, or
+        None for the theoretical maximum.
+    """
+
+    max_ids_per_partition: int
+    max_unique_ids_per_partition: int
+    suggested_coo_buffer_size_per_device: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.max_ids_per_partition, "max_ids_per_partition")
+        check_positive_int(self.max_unique_ids_per_partition, "max_unique_ids_per_partition")
+        if self.suggested_coo_buffer_size_per_device is not None:
+            check_positive_int(
+                self.suggested_coo_buffer_size_per_device, "suggested_coo_buffer_size_per_device"
+            )
+
+
+def _scaled(value: int, headroom: fractions.Fraction) -> int:
+    # Exact arithmetic: 100 * 1.1 in floats rounds up to 111.
+    return max(1, math.ceil(value * headroom))
+
+
+def _headroom(headroom: float) -> fractions.Fraction:
+    if isinstance(headroom, bool) or not isinstance(headroom, int | float):
+        raise TypeError(f"headroom must be a number, got {headroom!r}.")
+    if not (math.isfinite(headroom) and headroom >= 1):
+        raise ValueError(f"headroom must be a finite number >= 1 (e.g. 1.1), got {headroom!r}.")
+    return fractions.Fraction(repr(float(headroom)))
+
+
+def fdo_limits(stats: FdoStats, *, headroom: float = 1.1) -> dict[str, StackLimits]:
+    """The limits the stats call for, per stacked table.
+
+    `max_ids_per_partition` and `max_unique_ids_per_partition`: the maximum
+    over partitions times `headroom`, rounded up; the buffer: the maximum
+    required size of a partition slot times S times `headroom`, rounded up
+    to a multiple of `8 * S` (as the layout needs).
+
+    Raises:
+      ValueError: a bad headroom, or one that takes a buffer past the int32
+        indices of the layout (stats near the largest buffer the geometry
+        allows).
+    """
+    factor = _headroom(headroom)
+    return {
+        name: _stack_limits(name, stack, stats.geometry.partitions_per_device, factor)
+        for name, stack in stats.stacks.items()
+    }
+
+
+def _stack_limits(
+    name: str, stack: StackFdoStats, slots: int, headroom: fractions.Fraction
+) -> StackLimits:
+    buffer = round_up(
+        _scaled(int(stack.required_buffer_size_per_sc.max()) * slots, headroom), 8 * slots
+    )
+    # The ids limits stay below the buffer: a partition's ids fit a slot's buffer.
+    if buffer > INT32_MAX:
+        raise ValueError(
+            f"Stack {name!r}: headroom {float(headroom):g} makes a buffer of {buffer} entries per "
+            f"device, over the {INT32_MAX} int32 indices address; use a smaller headroom."
+        )
+    return StackLimits(
+        max_ids_per_partition=_scaled(int(stack.max_ids_per_partition.max()), headroom),
+        max_unique_ids_per_partition=_scaled(
+            int(stack.max_unique_ids_per_partition.max()), headroom
+        ),
+        suggested_coo_buffer_size_per_device=buffer,
+    )
+
+
+def set_stack_limits(
+    feature_specs: Nested,
+    limits: Mapping[str, StackLimits],
+    *,
+    global_device_count: int,
+    num_sc_per_device: int,
+) -> Nested:
+    """Prepared specs whose named stacked tables carry the given limits.
+
+    Args:
+      feature_specs: a pytree of `FeatureSpec` (prepared or not).
+      limits: per stack name; stacks not named keep their limits.
+      global_device_count: G, typically `mesh.size`.
+      num_sc_per_device: S.
+
+    Returns:
+      The same pytree, prepared, with new `StackedTableSpec`s.
+
+    Raises:
+      ValueError: `limits` names a stack the specs do not have.
+    """
+    prepared = prepare_feature_specs_for_training(
+        feature_specs, global_device_count, num_sc_per_device
+    )
+    stacks = get_stacked_table_specs(prepared)
+    unknown = sorted(set(limits) - set(stacks))
+    if unknown:
+        raise ValueError(
+            f"Limits for unknown stacked tables {unknown}; the specs have {sorted(stacks)}."
+        )
+    new = {
+        name: dataclasses.replace(stacks[name], **dataclasses.asdict(limit))
+        for name, limit in limits.items()
+    }
+
+    def replace(feature: FeatureSpec) -> FeatureSpec:
+        stacked = new.get(feature.table_spec.stacked_table_spec.stack_name)
+        if stacked is None:
+            return feature
+        table = dataclasses.replace(feature.table_spec, stacked_table_spec=stacked)
+        return dataclasses.replace(feature, table_spec=table)
+
+    return jax.tree.map(replace, prepared)
+
+
+def apply_fdo(feature_specs: Nested, stats: FdoStats, *, headroom: float = 1.1) -> Nested:
+    """Prepared specs with every stacked table's limits and buffer set from stats.
+
+    Args:
+      feature_specs: a pytree of `FeatureSpec` (prepared or not) of the run
+        the stats were computed for.
+      stats: e.g. from `load_fdo_stats` or `FdoClient.load`.
+      headroom: factor >= 1 over the observed maxima (see `fdo_limits`).
+
+    Returns:
+      The same pytree, prepared for the stats' geometry, with new
+      `StackedTableSpec`s (the inputs are not changed).
+
+    Raises:
+      ValueError: the stats' stacked tables differ from the specs'.
+
+    Example:
+      stats = embedding.load_fdo_stats(directory, expected_config_hash=h,
+                                       expected_geometry=g)
+      specs = embedding.apply_fdo(specs, stats, headroom=1.2)
+    """
+    geometry = stats.geometry
+    prepared = prepare_feature_specs_for_training(
+        feature_specs, geometry.devices, geometry.partitions_per_device
+    )
+    stacks = set(get_stacked_table_specs(prepared))
+    if stacks != set(stats.stacks):
+        raise ValueError(
+            f"The FDO stats are for stacked tables {sorted(stats.stacks)}, the specs have "
+            f"{sorted(stacks)}; recompute the stats for this config."
+        )
+    return set_stack_limits(
+        prepared,
+        fdo_limits(stats, headroom=headroom),
+        global_device_count=geometry.devices,
+        num_sc_per_device=geometry.partitions_per_device,
+    )
