@@ -9,67 +9,53 @@ embedding op does the lookup, and its backward applies the update to the
 touched rows. A step is forward, `0.5 * sum(activations^2)`, backward (with
 the fused update): what a TorchRec user runs.
 
-Optimizers (`--optimizer` of `setup`), as FBGEMM defines them, with `g` a
+Optimizers (the argument of `setup`), as FBGEMM defines them, with `g` a
 touched row's gradient (the sum over its ids in the batch):
   * sgd: `EXACT_SGD`, `w -= lr * g`;
   * adagrad: `EXACT_ADAGRAD`, one accumulator per element,
     `a += g^2; w -= lr * g / (sqrt(a) + eps)`;
   * rowwise_adagrad: `EXACT_ROWWISE_ADAGRAD`, one accumulator per row,
     `a += mean(g^2 over the row); w -= lr * g / (sqrt(a) + eps)`.
-Accumulators start at `--initial-accumulator` (FBGEMM starts them at 0; they
-are set after construction, as the other side starts them).
+Accumulators start at the shape's `initial_accumulator` (FBGEMM starts them
+at 0; they are set after construction, as our side starts them).
 
 The ids come from an `.npz` file the driver writes: `values_<b>_<t>` (int ids)
 and `offsets_<b>_<t>` (row splits, `batch + 1` of them) for batch `b` and
 table `t`.
 
-Protocol: one command per line on stdin, one JSON object per line on stdout
-(`{"ok": true, ...}` or `{"ok": false, "error": "..."}`); anything else the
-libraries print goes to stderr.
+Commands (the line protocol of `_line_protocol.py`; anything the libraries
+print goes to stderr):
   * `setup <optimizer>`: builds the model (dropping the previous one), runs
     one step on batch 0 and checks it against a float64 numpy step from the
     same initial rows: every touched row (and its accumulator) within 1e-5 of
-    the row's largest reference value, every other row bitwise unchanged. A failed check answers
-    `ok: false` and the model is dropped, so `time` has nothing to time.
-    Then runs `--warmup` steps.
+    the row's largest reference value, every other row bitwise unchanged. A
+    failed check answers `ok: false` with `CheckFailed: ...` and leaves no
+    model, so `time` has nothing to time. Then runs `--warmup` steps.
   * `time <steps>`: runs `steps` steps over the batches in turn; answers
     `step_ms`, one time per step.
   * `quit`.
 
     .venv-torchrec/bin/python benchmarks/lookup_torchrec_peer.py BATCHES.npz \\
-        --tables 8 --vocabulary 1000000 --dim 16 --learning-rate 0.05
+        --shape '{"tables": 8, "vocabulary": 1000000, "dim": 16, "batch": 4096}'
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
-import sys
+import gc
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torchrec
+from _line_protocol import reply_stream, serve
+from _lookup_shape import OPTIMIZERS, LookupShape
 from torchrec import optim as trec_optim
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 RELATIVE_TOLERANCE = 1e-5
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Shape:
-    tables: int
-    vocabulary: int
-    dim: int
-    learning_rate: float
-    initial_accumulator: float
-    epsilon: float
 
 
 class CheckFailed(RuntimeError):
@@ -100,7 +86,7 @@ def keyed_jagged(batch: list[tuple[np.ndarray, np.ndarray]]) -> torchrec.KeyedJa
     )
 
 
-def _optimizer(name: str, shape: Shape) -> tuple[type, dict]:
+def _optimizer(name: str, shape: LookupShape) -> tuple[type, dict]:
     if name == "sgd":
         return torch.optim.SGD, {"lr": shape.learning_rate}
     if name == "adagrad":
@@ -110,7 +96,7 @@ def _optimizer(name: str, shape: Shape) -> tuple[type, dict]:
     raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS}")
 
 
-def build_model(name: str, shape: Shape) -> DistributedModelParallel:
+def build_model(name: str, shape: LookupShape) -> DistributedModelParallel:
     """The sharded collection with `name`'s optimizer fused into the backward."""
     collection = torchrec.EmbeddingBagCollection(
         tables=[
@@ -165,7 +151,7 @@ def reference_rows(
     accumulator: np.ndarray | None,
     values: np.ndarray,
     offsets: np.ndarray,
-    shape: Shape,
+    shape: LookupShape,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """One float64 step of one table on its touched rows.
 
@@ -216,7 +202,9 @@ def _close(what: str, got: np.ndarray, want: np.ndarray) -> float:
     return float(errors[worst])
 
 
-def check_one_step(name: str, model: DistributedModelParallel, batch: list, shape: Shape) -> dict:
+def check_one_step(
+    name: str, model: DistributedModelParallel, batch: list, shape: LookupShape
+) -> dict:
     """Runs one step on `batch` and compares it with `reference_rows`, table by table."""
     before = [t.detach().clone() for t in tables(model)]
     slots_before = [s.detach().clone() for s in accumulators(model)]
@@ -243,7 +231,7 @@ def check_one_step(name: str, model: DistributedModelParallel, batch: list, shap
 class Peer:
     """The model of the current optimizer and the batches, driven by commands."""
 
-    def __init__(self, batches: list, shape: Shape, warmup: int) -> None:
+    def __init__(self, batches: list, shape: LookupShape, warmup: int) -> None:
         self.batches = batches
         self.inputs = [keyed_jagged(b) for b in batches]
         self.shape = shape
@@ -253,6 +241,7 @@ class Peer:
 
     def setup(self, name: str) -> dict:
         self.model = None
+        gc.collect()
         model = build_model(name, self.shape)
         check = check_one_step(name, model, self.batches[0], self.shape)
         self.model, self.next_batch = model, 1
@@ -275,47 +264,18 @@ class Peer:
         return times
 
 
-def serve(commands: dict[str, Callable[[str], dict]], replies) -> None:
-    for line in sys.stdin:
-        command, _, argument = line.strip().partition(" ")
-        if command == "quit":
-            return
-        try:
-            if command not in commands:
-                raise ValueError(f"unknown command {command!r}; one of {sorted(commands)} or quit")
-            reply = {"ok": True, **commands[command](argument)}
-        except Exception as e:  # every failure goes back to the driver as an answer
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("batches", help=".npz of values_<b>_<t> and offsets_<b>_<t>")
-    parser.add_argument("--tables", type=int, required=True)
-    parser.add_argument("--vocabulary", type=int, required=True)
-    parser.add_argument("--dim", type=int, required=True)
-    parser.add_argument("--learning-rate", type=float, required=True)
-    parser.add_argument("--initial-accumulator", type=float, default=0.1)
-    parser.add_argument("--epsilon", type=float, default=1e-8)
+    parser.add_argument("--shape", required=True, help="a LookupShape as JSON")
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # library output must not mix with the replies
+    replies = reply_stream()
+    shape = LookupShape.from_json(args.shape)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    shape = Shape(
-        tables=args.tables,
-        vocabulary=args.vocabulary,
-        dim=args.dim,
-        learning_rate=args.learning_rate,
-        initial_accumulator=args.initial_accumulator,
-        epsilon=args.epsilon,
-    )
-    peer = Peer(load_batches(args.batches, args.tables), shape, args.warmup)
-    replies.write(json.dumps({"ok": True, "ready": True, "torchrec": torchrec.__version__}) + "\n")
-    replies.flush()
-    serve({"setup": peer.setup, "time": peer.time}, replies)
+    peer = Peer(load_batches(args.batches, shape.tables), shape, args.warmup)
+    greeting = {"torchrec": torchrec.__version__, "torch": torch.__version__}
+    serve(replies, {"setup": peer.setup, "time": peer.time}, greeting=greeting)
     dist.destroy_process_group()
 
 
