@@ -3,8 +3,8 @@
 Runs in `.venv-torchrec` (`make bench-torchrec`): it imports torch, torchrec
 and fbgemm_gpu only, nothing of sparseflow. The model is TorchRec's
 `EmbeddingBagCollection` (sum pooling, one feature per table) sharded by
-`DistributedModelParallel` on one CPU rank, with the optimizer fused into the
-backward pass (`apply_optimizer_in_backward`): FBGEMM's table-batched
+`DistributedModelParallel` on one CPU rank (table-wise, fused kernel), with
+the optimizer fused into the backward pass (`apply_optimizer_in_backward`): FBGEMM's table-batched
 embedding op does the lookup, and its backward applies the update to the
 touched rows. A step is forward, `0.5 * sum(activations^2)`, backward (with
 the fused update): what a TorchRec user runs.
@@ -52,7 +52,10 @@ import torchrec
 from _line_protocol import reply_stream, serve
 from _lookup_shape import OPTIMIZERS, LookupShape
 from torchrec import optim as trec_optim
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 RELATIVE_TOLERANCE = 1e-5
@@ -97,7 +100,9 @@ def _optimizer(name: str, shape: LookupShape) -> tuple[type, dict]:
 
 
 def build_model(name: str, shape: LookupShape) -> DistributedModelParallel:
-    """The sharded collection with `name`'s optimizer fused into the backward."""
+    """The collection with `name`'s optimizer fused into the backward: every
+    table whole on the one rank with the fused kernel (the planner would make
+    small tables data-parallel, with a dense kernel)."""
     collection = torchrec.EmbeddingBagCollection(
         tables=[
             torchrec.EmbeddingBagConfig(
@@ -113,7 +118,17 @@ def build_model(name: str, shape: LookupShape) -> DistributedModelParallel:
     )
     optimizer_class, kwargs = _optimizer(name, shape)
     apply_optimizer_in_backward(optimizer_class, collection.parameters(), kwargs)
-    model = DistributedModelParallel(collection, device=torch.device("cpu"))
+    fused_table_wise = table_wise(rank=0, compute_kernel=EmbeddingComputeKernel.FUSED.value)
+    plan = construct_module_sharding_plan(
+        collection,
+        {f"t{t}": fused_table_wise for t in range(shape.tables)},
+        local_size=1,
+        world_size=1,
+        device_type="cpu",
+    )
+    model = DistributedModelParallel(
+        collection, device=torch.device("cpu"), plan=ShardingPlan({"": plan})
+    )
     for accumulator in accumulators(model):
         accumulator.fill_(shape.initial_accumulator)
     return model
@@ -208,6 +223,8 @@ def check_one_step(
     """Runs one step on `batch` and compares it with `reference_rows`, table by table."""
     before = [t.detach().clone() for t in tables(model)]
     slots_before = [s.detach().clone() for s in accumulators(model)]
+    if any(not torch.all(s == shape.initial_accumulator) for s in slots_before):
+        raise CheckFailed(f"accumulators do not start at {shape.initial_accumulator}")
     step(model, keyed_jagged(batch))
     after, slots_after = tables(model), accumulators(model)
     checked, worst = 0, 0.0
