@@ -26,10 +26,16 @@ from embedding._layout import LimitBreachError, aligned_empty
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
 from embedding._optimizers import (
     AdagradOptimizerSpec,
+    AdagradSlots,
     AdamOptimizerSpec,
+    AdamSlots,
     FTRLOptimizerSpec,
+    FTRLSlots,
     OptimizerSpec,
+    RowWiseAdagradOptimizerSpec,
+    RowWiseAdagradSlots,
     SGDOptimizerSpec,
+    SGDSlots,
 )
 from embedding._preprocess import (
     PreprocessedInput,
@@ -63,10 +69,13 @@ from embedding._variables import (
 
 __all__ = [
     "AdagradOptimizerSpec",
+    "AdagradSlots",
     "AdamOptimizerSpec",
+    "AdamSlots",
     "Combiner",
     "EmbeddingVariables",
     "FTRLOptimizerSpec",
+    "FTRLSlots",
     "FdoClient",
     "FdoGeometry",
     "FdoStats",
@@ -80,7 +89,10 @@ __all__ = [
     "OptimizerSpec",
     "PreprocessedInput",
     "RaggedIds",
+    "RowWiseAdagradOptimizerSpec",
+    "RowWiseAdagradSlots",
     "SGDOptimizerSpec",
+    "SGDSlots",
     "SparseDenseMatmulInput",
     "SparseDenseMatmulInputStats",
     "StackFdoStats",

@@ -77,6 +77,9 @@ class StackGeometry(NamedTuple):
         minibatch.
       samples: P, samples per slot over the stack's features.
       features: the stack's features in slot order.
+      table_dims: per table of the stack, `(row_offset_in_shard,
+        embedding_dim)` in row-offset order: the first local row of the
+        table in every partition and its unpadded dim.
     """
 
     name: str
@@ -90,6 +93,18 @@ class StackGeometry(NamedTuple):
     uniques: int
     samples: int
     features: tuple[FeatureSlice, ...]
+    table_dims: tuple[tuple[int, int], ...]
+
+    def row_dims(self, shard_rows: jax.Array) -> jax.Array:
+        """`float32[...]`: the unpadded dim of the table each of `shard_rows`
+        (`int32[...]`, rows of a device's shard) belongs to."""
+        dims = [dim for _, dim in self.table_dims]
+        if len(set(dims)) == 1:
+            return jnp.full(shard_rows.shape, dims[0], jnp.float32)
+        local = shard_rows % self.rows
+        starts = jnp.asarray([start for start, _ in self.table_dims[1:]], jnp.int32)
+        table = jnp.sum(local[..., None] >= starts, axis=-1)
+        return jnp.asarray(dims, jnp.float32)[table]
 
     @property
     def partitions(self) -> int:
@@ -202,6 +217,14 @@ def stack_geometries(
             )
             for f in plan.features
         )
+        tables = {
+            leaves[f.index].table_spec.name: leaves[f.index].table_spec for f in plan.features
+        }
+        table_dims = tuple(
+            sorted(
+                (t.setting_in_stack.row_offset_in_shard, t.embedding_dim) for t in tables.values()
+            )
+        )
         geometries.append(
             StackGeometry(
                 name=plan.name,
@@ -215,6 +238,7 @@ def stack_geometries(
                 uniques=min(slots * per_partition, capacity),
                 samples=plan.geometry.samples_per_slot,
                 features=features,
+                table_dims=table_dims,
             )
         )
     return tuple(geometries)
@@ -343,19 +367,27 @@ def _check_variables(variables: Any, g: StackGeometry) -> None:
             f"Stack {g.name!r}: expected EmbeddingVariables (from "
             f"embedding.init_embedding_variables), got {type(variables).__name__}."
         )
+    slots_type = g.optimizer.slots_type
+    if type(variables.slots) is not slots_type:
+        raise ValueError(
+            f"Stack {g.name!r}: slots are a {type(variables.slots).__name__}, but the optimizer "
+            f"{type(g.optimizer).__name__} keeps {slots_type.__name__}{slots_type._fields}."
+        )
     shape = (g.partitions * g.rows, g.dim)
-    arrays = {"table": variables.table, **{f"slot {k!r}": v for k, v in variables.slots.items()}}
-    for what, array in arrays.items():
-        if tuple(array.shape) != shape:
+    expected = {
+        "table": shape,
+        **{f"slot {k!r}": v for k, v in g.optimizer.slot_shapes(*shape)._asdict().items()},
+    }
+    actual = {
+        "table": variables.table,
+        **{f"slot {k!r}": v for k, v in variables.slots._asdict().items()},
+    }
+    for what, array in actual.items():
+        if tuple(array.shape) != expected[what]:
             raise ValueError(
                 f"Stack {g.name!r}: {what} has shape {list(array.shape)}, expected "
-                f"{list(shape)} [stack_vocab_size, padded_dim]."
+                f"{list(expected[what])} for a stack of {shape[0]} rows of dim {shape[1]}."
             )
-    if tuple(variables.slots) != g.optimizer.slot_names:
-        raise ValueError(
-            f"Stack {g.name!r}: slots {list(variables.slots)} do not match the optimizer "
-            f"{type(g.optimizer).__name__}'s {list(g.optimizer.slot_names)}."
-        )
 
 
 def _round_up_to_alignment(x: jax.Array) -> jax.Array:

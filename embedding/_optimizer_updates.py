@@ -2,15 +2,16 @@
 
 Every function takes the rows an update touches, `float32[rows, dim]`, the
 same rows of each slot variable, and the rows' summed gradients, and returns
-the new rows and slots. The sharded update (`_update.py`) gathers the touched
-rows, calls `apply_optimizer` and scatters the results back; rows without a
-gradient in the batch are never passed here, so they and their slots keep
-their values bit for bit ("lazy" updates).
+the new rows and slots (the spec's `slots_type`). The sharded update
+(`_update.py`) gathers the touched rows, calls `apply_optimizer` and
+scatters the results back; rows without a gradient in the batch are never
+passed here, so they and their slots keep their values bit for bit ("lazy"
+updates).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,13 +19,17 @@ import jax.numpy as jnp
 
 from embedding._optimizers import (
     AdagradOptimizerSpec,
+    AdagradSlots,
     AdamOptimizerSpec,
+    AdamSlots,
     FTRLOptimizerSpec,
+    FTRLSlots,
     OptimizerSpec,
+    RowWiseAdagradOptimizerSpec,
+    RowWiseAdagradSlots,
     SGDOptimizerSpec,
+    SGDSlots,
 )
-
-Slots = dict[str, jax.Array]
 
 
 def sgd(rows: jax.Array, grads: jax.Array, *, learning_rate: Any) -> jax.Array:
@@ -38,6 +43,29 @@ def adagrad(
     """`a' = a + g^2; w' = w - lr * g / sqrt(a')`. Returns `(w', a')`."""
     accumulator = accumulator + grads * grads
     return rows - learning_rate * grads / jnp.sqrt(accumulator), accumulator
+
+
+def rowwise_adagrad(
+    rows: jax.Array,
+    accumulator: jax.Array,
+    grads: jax.Array,
+    *,
+    learning_rate: Any,
+    epsilon: float,
+    row_dims: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """`a' = a + sum(g^2) / dim; w' = w - lr * g / (sqrt(a') + eps)`.
+
+    Args:
+      rows: `float32[n, D]`.
+      accumulator: `float32[n]`.
+      grads: `float32[n, D]`, zero in the padding columns.
+      row_dims: `float32[n]`, each row's table's embedding dim.
+
+    Returns `(w', a')`.
+    """
+    accumulator = accumulator + jnp.sum(grads * grads, axis=1) / row_dims
+    return rows - learning_rate * grads / (jnp.sqrt(accumulator) + epsilon)[:, None], accumulator
 
 
 def adam(
@@ -106,22 +134,38 @@ def ftrl(
     return rows, new_accumulator, linear
 
 
-def _apply_sgd(spec, rows, slots, grads, learning_rate, step):
-    del spec, slots, step
-    return sgd(rows, grads, learning_rate=learning_rate), {}
+def _apply_sgd(spec, rows, slots, grads, learning_rate, step, row_dims):
+    del spec, slots, step, row_dims
+    return sgd(rows, grads, learning_rate=learning_rate), SGDSlots()
 
 
-def _apply_adagrad(spec, rows, slots, grads, learning_rate, step):
-    del spec, step
-    rows, accumulator = adagrad(rows, slots["accumulator"], grads, learning_rate=learning_rate)
-    return rows, {"accumulator": accumulator}
+def _apply_adagrad(spec, rows, slots, grads, learning_rate, step, row_dims):
+    del spec, step, row_dims
+    rows, accumulator = adagrad(rows, slots.accumulator, grads, learning_rate=learning_rate)
+    return rows, AdagradSlots(accumulator)
 
 
-def _apply_adam(spec: AdamOptimizerSpec, rows, slots, grads, learning_rate, step):
+def _apply_rowwise_adagrad(
+    spec: RowWiseAdagradOptimizerSpec, rows, slots, grads, learning_rate, step, row_dims
+):
+    del step
+    rows, accumulator = rowwise_adagrad(
+        rows,
+        slots.accumulator,
+        grads,
+        learning_rate=learning_rate,
+        epsilon=spec.epsilon,
+        row_dims=row_dims,
+    )
+    return rows, RowWiseAdagradSlots(accumulator)
+
+
+def _apply_adam(spec: AdamOptimizerSpec, rows, slots, grads, learning_rate, step, row_dims):
+    del row_dims
     rows, momentum, velocity = adam(
         rows,
-        slots["momentum"],
-        slots["velocity"],
+        slots.momentum,
+        slots.velocity,
         grads,
         learning_rate=learning_rate,
         beta_1=spec.beta_1,
@@ -129,15 +173,15 @@ def _apply_adam(spec: AdamOptimizerSpec, rows, slots, grads, learning_rate, step
         epsilon=spec.epsilon,
         step=step,
     )
-    return rows, {"momentum": momentum, "velocity": velocity}
+    return rows, AdamSlots(momentum, velocity)
 
 
-def _apply_ftrl(spec: FTRLOptimizerSpec, rows, slots, grads, learning_rate, step):
-    del step
+def _apply_ftrl(spec: FTRLOptimizerSpec, rows, slots, grads, learning_rate, step, row_dims):
+    del step, row_dims
     rows, accumulator, linear = ftrl(
         rows,
-        slots["accumulator"],
-        slots["linear"],
+        slots.accumulator,
+        slots.linear,
         grads,
         learning_rate=learning_rate,
         learning_rate_power=spec.learning_rate_power,
@@ -146,12 +190,13 @@ def _apply_ftrl(spec: FTRLOptimizerSpec, rows, slots, grads, learning_rate, step
         beta=spec.beta,
         multiply_linear_by_learning_rate=spec.multiply_linear_by_learning_rate,
     )
-    return rows, {"accumulator": accumulator, "linear": linear}
+    return rows, FTRLSlots(accumulator, linear)
 
 
-_UPDATES: dict[type, Callable[..., tuple[jax.Array, Slots]]] = {
+_UPDATES: dict[type, Callable[..., tuple[jax.Array, Any]]] = {
     SGDOptimizerSpec: _apply_sgd,
     AdagradOptimizerSpec: _apply_adagrad,
+    RowWiseAdagradOptimizerSpec: _apply_rowwise_adagrad,
     AdamOptimizerSpec: _apply_adam,
     FTRLOptimizerSpec: _apply_ftrl,
 }
@@ -170,23 +215,27 @@ def check_optimizer(spec: OptimizerSpec, stack_name: str) -> None:
 def apply_optimizer(
     spec: OptimizerSpec,
     rows: jax.Array,
-    slots: Mapping[str, jax.Array],
+    slots: Any,
     grads: jax.Array,
     *,
     learning_rate: Any,
     step: Any,
-) -> tuple[jax.Array, Slots]:
+    row_dims: jax.Array,
+) -> tuple[jax.Array, Any]:
     """Applies `spec`'s rule to touched rows.
 
     Args:
       spec: the table's optimizer.
       rows: `float32[n, dim]` current rows.
-      slots: each slot variable's same rows, `float32[n, dim]`, by slot name.
+      slots: the same rows of each slot variable, a `spec.slots_type`
+        (`float32[n, dim]` each, `float32[n]` for row-wise Adagrad).
       grads: `float32[n, dim]` summed gradient of each row.
       learning_rate: scalar, `spec.get_learning_rate(step)`.
       step: scalar int, the training step (0 for the first update).
+      row_dims: `float32[n]`, the embedding dim of each row's table (the
+        stack pads all its tables to one dim).
 
     Returns:
-      `(new rows, new slots by name)`.
+      `(new rows, new slots)`, the slots a `spec.slots_type`.
     """
-    return _UPDATES[type(spec)](spec, rows, slots, grads, learning_rate, step)
+    return _UPDATES[type(spec)](spec, rows, slots, grads, learning_rate, step, row_dims)

@@ -2,8 +2,9 @@
 
 The classes take the same arguments, in the same order, as jax-tpu-embedding's
 optimizer specs, so code written against that package constructs them
-unchanged. Each spec names its slot variables and their initial values; the
-row-wise update rules live with the lookup (they need the sharded layout).
+unchanged. Each spec names the `NamedTuple` of its slot variables (as Optax
+keeps an optimizer's state), their initial values and their shapes; the
+update rules live with the lookup (they need the sharded layout).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -35,6 +36,55 @@ def _check_non_negative(owner: str, **values: float) -> None:
             raise ValueError(f"{owner}: {name} must be finite and >= 0, got {value!r}.")
 
 
+class SGDSlots(NamedTuple):
+    """SGD keeps no slot variables."""
+
+
+class AdagradSlots(NamedTuple):
+    """Adagrad's state.
+
+    Attributes:
+      accumulator: `float32[rows, dim]`, the sum of squared gradients per element.
+    """
+
+    accumulator: Any
+
+
+class RowWiseAdagradSlots(NamedTuple):
+    """Row-wise Adagrad's state.
+
+    Attributes:
+      accumulator: `float32[rows]`, the sum over steps of each row's mean
+        squared gradient (1/dim of Adagrad's slot memory).
+    """
+
+    accumulator: Any
+
+
+class AdamSlots(NamedTuple):
+    """Adam's state.
+
+    Attributes:
+      momentum: `float32[rows, dim]`, the first moment.
+      velocity: `float32[rows, dim]`, the second moment.
+    """
+
+    momentum: Any
+    velocity: Any
+
+
+class FTRLSlots(NamedTuple):
+    """FTRL's state.
+
+    Attributes:
+      accumulator: `float32[rows, dim]`, the sum of squared gradients.
+      linear: `float32[rows, dim]`, the linear term.
+    """
+
+    accumulator: Any
+    linear: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
     """Base of the optimizer specs.
@@ -46,7 +96,7 @@ class OptimizerSpec:
 
     learning_rate: LearningRate = 0.001
     short_name: ClassVar[str] = "base"
-    slot_names: ClassVar[tuple[str, ...]] = ()
+    slots_type: ClassVar[type] = SGDSlots
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate, type(self).__name__)
@@ -65,9 +115,14 @@ class OptimizerSpec:
             )
         return learning_rate(step)
 
-    def slot_initial_values(self) -> dict[str, float]:
-        """Initial value of every slot variable, by slot name (in order)."""
-        return {}
+    def slot_initial_values(self) -> Any:
+        """The initial value of every slot variable, as a `slots_type`."""
+        return self.slots_type()
+
+    def slot_shapes(self, rows: int, dim: int) -> Any:
+        """The shape of every slot variable of a `[rows, dim]` table, as a
+        `slots_type`: the table's own shape, unless the optimizer says otherwise."""
+        return self.slots_type(*((rows, dim),) * len(self.slots_type._fields))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +134,7 @@ class SGDOptimizerSpec(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True)
 class AdagradOptimizerSpec(OptimizerSpec):
-    """Row-wise Adagrad: `a += g*g; w -= lr * g / sqrt(a)`.
+    """Adagrad, one accumulator per element: `a += g*g; w -= lr * g / sqrt(a)`.
 
     Attributes:
       initial_accumulator_value: starting value of the accumulator slot (> 0).
@@ -87,7 +142,7 @@ class AdagradOptimizerSpec(OptimizerSpec):
 
     initial_accumulator_value: float = 0.1
     short_name: ClassVar[str] = "adagrad"
-    slot_names: ClassVar[tuple[str, ...]] = ("accumulator",)
+    slots_type: ClassVar[type] = AdagradSlots
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,8 +152,50 @@ class AdagradOptimizerSpec(OptimizerSpec):
                 f"a divisor), got {self.initial_accumulator_value!r}."
             )
 
-    def slot_initial_values(self) -> dict[str, float]:
-        return {"accumulator": float(self.initial_accumulator_value)}
+    def slot_initial_values(self) -> AdagradSlots:
+        return AdagradSlots(float(self.initial_accumulator_value))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWiseAdagradOptimizerSpec(OptimizerSpec):
+    """Row-wise Adagrad, as FBGEMM's `EXACT_ROWWISE_ADAGRAD` and TorchRec's
+    `RowWiseAdagrad` define it: one accumulator per row,
+
+        a' = a + sum(g * g) / dim,    w' = w - lr * g / (sqrt(a') + epsilon),
+
+    where `g` is the row's summed gradient in the batch and `dim` the table's
+    embedding dim (without the stack's padding columns). The usual optimizer
+    of production recommenders: it keeps 1/dim of Adagrad's slot memory.
+
+    Attributes:
+      initial_accumulator_value: starting value of the accumulator, >= 0.
+      epsilon: added to the accumulator's root, >= 0; the two must not both
+        be 0 (the root is a divisor).
+    """
+
+    initial_accumulator_value: float = 0.0
+    epsilon: float = 1e-8
+    short_name: ClassVar[str] = "rowwise_adagrad"
+    slots_type: ClassVar[type] = RowWiseAdagradSlots
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = "RowWiseAdagradOptimizerSpec"
+        _check_non_negative(
+            owner, initial_accumulator_value=self.initial_accumulator_value, epsilon=self.epsilon
+        )
+        if self.initial_accumulator_value == 0 and self.epsilon == 0:
+            raise ValueError(
+                f"{owner}: initial_accumulator_value and epsilon are both 0, so a row's first "
+                "update divides by zero; make one of them positive."
+            )
+
+    def slot_initial_values(self) -> RowWiseAdagradSlots:
+        return RowWiseAdagradSlots(float(self.initial_accumulator_value))
+
+    def slot_shapes(self, rows: int, dim: int) -> RowWiseAdagradSlots:
+        del dim
+        return RowWiseAdagradSlots((rows,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +212,7 @@ class AdamOptimizerSpec(OptimizerSpec):
     beta_2: float = 0.999
     epsilon: float = 1e-8
     short_name: ClassVar[str] = "adam"
-    slot_names: ClassVar[tuple[str, ...]] = ("momentum", "velocity")
+    slots_type: ClassVar[type] = AdamSlots
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,8 +222,8 @@ class AdamOptimizerSpec(OptimizerSpec):
                 raise ValueError(f"AdamOptimizerSpec: {name} must be in [0, 1), got {value!r}.")
         _check_non_negative("AdamOptimizerSpec", epsilon=self.epsilon)
 
-    def slot_initial_values(self) -> dict[str, float]:
-        return {"momentum": 0.0, "velocity": 0.0}
+    def slot_initial_values(self) -> AdamSlots:
+        return AdamSlots(0.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +250,7 @@ class FTRLOptimizerSpec(OptimizerSpec):
     initial_linear_value: float = 0.0
     multiply_linear_by_learning_rate: bool = False
     short_name: ClassVar[str] = "ftrl"
-    slot_names: ClassVar[tuple[str, ...]] = ("accumulator", "linear")
+    slots_type: ClassVar[type] = FTRLSlots
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -174,8 +271,5 @@ class FTRLOptimizerSpec(OptimizerSpec):
                 f"{self.initial_accumulator_value!r}."
             )
 
-    def slot_initial_values(self) -> dict[str, float]:
-        return {
-            "accumulator": float(self.initial_accumulator_value),
-            "linear": float(self.initial_linear_value),
-        }
+    def slot_initial_values(self) -> FTRLSlots:
+        return FTRLSlots(float(self.initial_accumulator_value), float(self.initial_linear_value))

@@ -104,19 +104,23 @@ def _update_minibatch(
     first, merged = merge_duplicate_rows(rows, received, g.shard_rows)
     target = jnp.where(first, rows, g.shard_rows)
     old_rows = variables.table.at[target].get(mode="fill", fill_value=0)
-    old_slots = {
-        name: values.at[target].get(mode="fill", fill_value=0)
-        for name, values in variables.slots.items()
-    }
+    old_slots = jax.tree.map(
+        lambda values: values.at[target].get(mode="fill", fill_value=0), variables.slots
+    )
     new_rows, new_slots = apply_optimizer(
-        g.optimizer, old_rows, old_slots, merged, learning_rate=learning_rate, step=step
+        g.optimizer,
+        old_rows,
+        old_slots,
+        merged,
+        learning_rate=learning_rate,
+        step=step,
+        row_dims=g.row_dims(target),
     )
     return EmbeddingVariables(
         variables.table.at[target].set(new_rows, mode="drop"),
-        {
-            name: values.at[target].set(new_slots[name], mode="drop")
-            for name, values in variables.slots.items()
-        },
+        jax.tree.map(
+            lambda values, new: values.at[target].set(new, mode="drop"), variables.slots, new_slots
+        ),
     )
 
 
@@ -246,7 +250,7 @@ def apply_gradients(
 
     The gradient of a row is the sum, over all its entries in the batch, of
     gain times the activation gradient of the entry's sample; each touched
-    row is updated once by its table's optimizer (SGD, Adagrad, Adam, FTRL)
+    row is updated once by its table's optimizer (SGD, Adagrad, row-wise Adagrad, Adam, FTRL)
     with the learning rate `optimizer.get_learning_rate(step)`. Rows without
     an entry in the batch keep their values and slots bit for bit.
 

@@ -11,7 +11,8 @@ A stacked table is one `jax.Array` `float32[N * R, D]`, with `R =
 stack_vocab_size / N` rows per partition and `D` the padded dim, sharded on
 dim 0 over the mesh axis: row `r` of partition `p` is physical row `p * R + r`,
 so device `g` holds partitions `g*S .. g*S + S - 1`, one after the other.
-Optimizer slots are arrays of the same shape and sharding. Padding rows
+Optimizer slots are arrays of the same sharding, of the table's shape or, for
+a per-row slot (row-wise Adagrad), `[N * R]`. Padding rows
 (ids past the vocabulary) and padding columns (past the table's dim) exist
 only in the sharded order; the logical view of a table is
 `[vocabulary_size, embedding_dim]`.
@@ -39,12 +40,13 @@ class EmbeddingVariables(NamedTuple):
 
     Attributes:
       table: `float32[stack_vocab_size, stack_embedding_dim]` in sharded row order.
-      slots: each slot variable of the stack's optimizer, by slot name (in
-        `optimizer.slot_names` order), same shape and sharding as `table`.
+      slots: the slot variables of the stack's optimizer, its `slots_type`
+        (e.g. `AdagradSlots(accumulator)`), each of `table`'s sharding and of
+        the shape `optimizer.slot_shapes(stack_vocab_size, stack_embedding_dim)`.
     """
 
     table: jax.Array
-    slots: dict[str, jax.Array]
+    slots: Any
 
 
 class StackMembers(NamedTuple):
@@ -165,11 +167,12 @@ def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, shar
         # only its own rows (partitionable threefry), never the whole table.
         logical.append(jax.lax.with_sharding_constraint(values.astype(jnp.float32), sharding))
     table = to_sharded_order(logical, members.tables, num_partitions)
-    shape = table.shape
-    slots = {
-        name: jnp.full(shape, value, jnp.float32)
-        for name, value in members.spec.optimizer.slot_initial_values().items()
-    }
+    optimizer = members.spec.optimizer
+    slots = jax.tree.map(
+        lambda value, shape: jnp.full(shape, value, jnp.float32),
+        optimizer.slot_initial_values(),
+        optimizer.slot_shapes(*table.shape),
+    )
     return EmbeddingVariables(table, slots)
 
 
@@ -283,17 +286,19 @@ def gather_tables(
     """Copies sharded stacks to the host as logical tables, for inspection.
 
     Works for tables and for slot variables alike (pass `{name:
-    variables[name].slots["accumulator"]}`). The whole table lands in host
+    variables[name].slots.accumulator}`). The whole table lands in host
     memory: use it for checks and exports, not in training.
 
     Args:
-      stacks: `[stack_vocab_size, padded_dim]` by stack name, sharded order.
+      stacks: `[stack_vocab_size, padded_dim]` (or a per-row slot
+        `[stack_vocab_size]`) by stack name, sharded order.
       feature_specs: pytree of `FeatureSpec`.
       mesh: the mesh the stacks were made for (`G = mesh.size`).
       num_sc_per_device: S they were made for.
 
     Returns:
-      `float32[vocabulary_size, embedding_dim]` numpy arrays by table name.
+      `float32[vocabulary_size, embedding_dim]` (`[vocabulary_size]` for a
+      per-row slot) numpy arrays by table name.
 
     Raises:
       ValueError: an unknown stack name or a wrong shape.
@@ -306,16 +311,24 @@ def gather_tables(
             raise ValueError(f"gather_tables: unknown stack {name!r}; known: {sorted(members)}.")
         spec = members[name].spec
         expected = (spec.stack_vocab_size, spec.stack_embedding_dim)
-        if tuple(values.shape) != expected:
+        if tuple(values.shape) not in (expected, expected[:1]):
             raise ValueError(
                 f"gather_tables: stack {name!r} has shape {list(values.shape)}, expected "
-                f"{list(expected)}."
+                f"{list(expected)} (or {list(expected[:1])} for a per-row slot)."
             )
         host = (
             np.asarray(values)
             if getattr(values, "is_fully_addressable", True)
             else multihost_utils.process_allgather(values, tiled=True)
         )
-        logical = to_logical_order(host, members[name].tables, num_partitions)
-        out.update({t.name: np.ascontiguousarray(v) for t, v in zip(members[name].tables, logical)})
+        per_row = host.ndim == 1
+        logical = to_logical_order(
+            host[:, None] if per_row else host, members[name].tables, num_partitions
+        )
+        out.update(
+            {
+                t.name: np.ascontiguousarray(v[:, 0] if per_row else v)
+                for t, v in zip(members[name].tables, logical)
+            }
+        )
     return out

@@ -35,6 +35,7 @@ from sparseflow._model import ModelConfig
 _OPTIMIZERS: dict[str, type[embedding.OptimizerSpec]] = {
     "sgd": embedding.SGDOptimizerSpec,
     "adagrad": embedding.AdagradOptimizerSpec,
+    "rowwise_adagrad": embedding.RowWiseAdagradOptimizerSpec,
     "adam": embedding.AdamOptimizerSpec,
     "ftrl": embedding.FTRLOptimizerSpec,
 }

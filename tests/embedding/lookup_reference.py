@@ -194,6 +194,10 @@ def update_row(spec: embedding.OptimizerSpec, w, slots: dict, g, step: int):
     if isinstance(spec, embedding.AdagradOptimizerSpec):
         accumulator = slots["accumulator"] + g * g
         return w - lr * g / np.sqrt(accumulator), {"accumulator": accumulator}
+    if isinstance(spec, embedding.RowWiseAdagradOptimizerSpec):
+        # FBGEMM's EXACT_ROWWISE_ADAGRAD: the mean over the row's own dim.
+        accumulator = slots["accumulator"] + np.mean(g * g)
+        return w - lr * g / (np.sqrt(accumulator) + spec.epsilon), {"accumulator": accumulator}
     if isinstance(spec, embedding.AdamOptimizerSpec):
         t = step + 1
         m = spec.beta_1 * slots["momentum"] + (1 - spec.beta_1) * g

@@ -146,3 +146,29 @@ def test_two_dimensional_mesh_is_rejected():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
     with pytest.raises(ValueError, match="1-D mesh"):
         embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
+
+
+def test_slots_of_another_optimizer_are_rejected():
+    specs, mesh, variables, _, preprocessed = _setup("sum", devices=2, slots=2)
+    table = variables["bc"].table
+    variables["bc"] = embedding.EmbeddingVariables(
+        table, embedding.AdagradSlots(accumulator=jnp.zeros_like(table))
+    )
+    with pytest.raises(ValueError, match="slots are a AdagradSlots.*keeps SGDSlots"):
+        embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
+
+
+def test_a_misshapen_per_row_slot_is_rejected():
+    rowwise = embedding.RowWiseAdagradOptimizerSpec(learning_rate=0.1)
+    specs, mesh = feature_specs("sum", rowwise, 2, 2), mesh_of(2)
+    variables = embedding.init_embedding_variables(
+        jax.random.key(0), specs, mesh, num_sc_per_device=2
+    )
+    rows = variables["bc"].table.shape[0]
+    assert variables["bc"].slots.accumulator.shape == (rows,)
+    variables["bc"] = variables["bc"]._replace(
+        slots=embedding.RowWiseAdagradSlots(jnp.zeros_like(variables["bc"].table))
+    )
+    preprocessed = preprocess(make_batch(0), specs, 2, 2)
+    with pytest.raises(ValueError, match=rf"slot 'accumulator' has shape .*expected \[{rows}\]"):
+        embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)

@@ -125,21 +125,55 @@ def test_feature_spec_table_must_be_a_table_spec():
 
 
 @pytest.mark.parametrize(
-    ("spec", "slots"),
+    ("spec", "slots", "shapes"),
     [
-        (embedding.SGDOptimizerSpec(), {}),
-        (embedding.AdagradOptimizerSpec(initial_accumulator_value=0.5), {"accumulator": 0.5}),
-        (embedding.AdamOptimizerSpec(), {"momentum": 0.0, "velocity": 0.0}),
+        (embedding.SGDOptimizerSpec(), embedding.SGDSlots(), embedding.SGDSlots()),
+        (
+            embedding.AdagradOptimizerSpec(initial_accumulator_value=0.5),
+            embedding.AdagradSlots(accumulator=0.5),
+            embedding.AdagradSlots(accumulator=(64, 8)),
+        ),
+        (
+            embedding.RowWiseAdagradOptimizerSpec(initial_accumulator_value=0.5),
+            embedding.RowWiseAdagradSlots(accumulator=0.5),
+            embedding.RowWiseAdagradSlots(accumulator=(64,)),
+        ),
+        (
+            embedding.AdamOptimizerSpec(),
+            embedding.AdamSlots(momentum=0.0, velocity=0.0),
+            embedding.AdamSlots(momentum=(64, 8), velocity=(64, 8)),
+        ),
         (
             embedding.FTRLOptimizerSpec(initial_accumulator_value=0.2, initial_linear_value=-1),
-            {"accumulator": 0.2, "linear": -1.0},
+            embedding.FTRLSlots(accumulator=0.2, linear=-1.0),
+            embedding.FTRLSlots(accumulator=(64, 8), linear=(64, 8)),
         ),
     ],
 )
-def test_optimizer_slots(spec, slots):
+def test_optimizer_slots(spec, slots, shapes):
     assert isinstance(spec, embedding.OptimizerSpec)
-    assert spec.slot_initial_values() == slots
-    assert tuple(slots) == spec.slot_names
+    initial = spec.slot_initial_values()
+    assert type(initial) is type(slots) is spec.slots_type
+    assert initial == slots
+    assert spec.slot_shapes(64, 8) == shapes
+
+
+def test_a_misspelt_slot_is_an_attribute_error():
+    with pytest.raises(AttributeError):
+        _ = embedding.AdagradOptimizerSpec().slot_initial_values().accumulater
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"initial_accumulator_value": -1.0}, "initial_accumulator_value must be finite"),
+        ({"epsilon": float("nan")}, "epsilon must be finite"),
+        ({"initial_accumulator_value": 0.0, "epsilon": 0.0}, "both 0"),
+    ],
+)
+def test_rowwise_adagrad_rejects_bad_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        embedding.RowWiseAdagradOptimizerSpec(**kwargs)
 
 
 def test_optimizer_positional_arguments_follow_the_reference_order():

@@ -30,6 +30,9 @@ OPTIMIZERS = {
     "sgd": embedding.SGDOptimizerSpec(learning_rate=0.1),
     "sgd_schedule": embedding.SGDOptimizerSpec(learning_rate=lambda step: 0.2 / (1.0 + step)),
     "adagrad": embedding.AdagradOptimizerSpec(learning_rate=0.3, initial_accumulator_value=0.5),
+    "rowwise_adagrad": embedding.RowWiseAdagradOptimizerSpec(
+        learning_rate=0.3, initial_accumulator_value=0.2, epsilon=1e-3
+    ),
     "adam": embedding.AdamOptimizerSpec(
         learning_rate=lambda step: 0.01 * (step + 1), beta_1=0.8, beta_2=0.9, epsilon=1e-3
     ),
@@ -54,7 +57,7 @@ OPTIMIZERS = {
 
 
 def _gather_all(variables, specs, mesh, slots) -> tuple[dict, dict]:
-    """(`{table: float64[vocab, dim]}`, `{table: {slot: float64[vocab, dim]}}`)."""
+    """(`{table: float64[vocab, dim]}`, `{table: {slot: float64[vocab, dim] or [vocab]}}`)."""
 
     def gather(stacks):
         logical = embedding.gather_tables(stacks, specs, mesh, num_sc_per_device=slots)
@@ -63,7 +66,7 @@ def _gather_all(variables, specs, mesh, slots) -> tuple[dict, dict]:
     tables = gather({name: v.table for name, v in variables.items()})
     slot_values = {table: {} for table in tables}
     for name, v in variables.items():
-        for slot, values in v.slots.items():
+        for slot, values in v.slots._asdict().items():
             for table, logical in gather({name: values}).items():
                 slot_values[table][slot] = logical
     return tables, slot_values
@@ -120,6 +123,8 @@ CASES = [
     ("sgd_schedule", "adam", "mean", 4, 2),
     ("ftrl", "ftrl_linear_by_lr", "sqrtn", 2, 4),
     ("adam", "adagrad", "sum", 8, 1),
+    ("rowwise_adagrad", "rowwise_adagrad", "mean", 2, 2),
+    ("sgd", "rowwise_adagrad", "sum", 8, 1),
 ]
 
 

@@ -19,7 +19,8 @@ def _specs(devices: int, slots: int):
 
 def _gather(variables, specs, mesh, slots, field="table"):
     stacks = {
-        name: v.table if field == "table" else v.slots[field] for name, v in variables.items()
+        name: v.table if field == "table" else getattr(v.slots, field)
+        for name, v in variables.items()
     }
     return embedding.gather_tables(stacks, specs, mesh, num_sc_per_device=slots)
 

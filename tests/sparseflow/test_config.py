@@ -332,7 +332,7 @@ ERROR_CASES = {
     "unknown optimizer": (
         _set("tables.0.optimizer.type", "rmsprop"),
         "tables[0].optimizer.type: unknown optimizer type 'rmsprop'; choose one of: sgd, "
-        "adagrad, adam, ftrl",
+        "adagrad, rowwise_adagrad, adam, ftrl",
     ),
     "unknown initializer": (
         _set("tables.0.initializer.type", "xavier"),
@@ -435,6 +435,7 @@ def test_demo_config_has_the_documented_shape():
     assert {t.optimizer.short_name for t in config.tables.values()} == {
         "sgd",
         "adagrad",
+        "rowwise_adagrad",
         "adam",
         "ftrl",
     }
