@@ -51,11 +51,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _lookup_shape
 import _zipf_batches
 import numpy as np
 from _alternating import alternating
 from _line_protocol import ChildError, LineProcess
+from _lookup_shape import FULL, OPTIMIZERS, SMALL, LookupShape
 
 import embedding
 
@@ -85,7 +85,7 @@ def _device_env(devices: int) -> dict[str, str]:
 
 
 def start_runners(
-    stack: contextlib.ExitStack, batches: Path, shape, args: argparse.Namespace
+    stack: contextlib.ExitStack, batches: Path, shape: LookupShape, args: argparse.Namespace
 ) -> dict[str, LineProcess]:
     runners = {}
     for name, devices in DEVICES.items():
@@ -206,7 +206,9 @@ def adagrad_figures(figures: dict) -> dict:
     return out
 
 
-def make_batches(shape, args: argparse.Namespace) -> list[dict[str, embedding.RaggedIds]]:
+def make_batches(
+    shape: LookupShape, args: argparse.Namespace
+) -> list[dict[str, embedding.RaggedIds]]:
     return _zipf_batches.make_batches(
         args.batches,
         args.seed,
@@ -218,7 +220,7 @@ def make_batches(shape, args: argparse.Namespace) -> list[dict[str, embedding.Ra
     )
 
 
-def batch_figures(shape, batches: list[dict[str, embedding.RaggedIds]]) -> dict:
+def batch_figures(shape: LookupShape, batches: list[dict[str, embedding.RaggedIds]]) -> dict:
     ids = [sum(r.values.size for r in b.values()) for b in batches]
     unique = [sum(np.unique(r.values).size for r in b.values()) for b in batches]
     return dict(
@@ -244,9 +246,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--partitions-per-device", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--optimizers", default=",".join(_lookup_shape.OPTIMIZERS), help="comma-separated"
-    )
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
     parser.add_argument("--torchrec-python", type=Path, default=TORCHREC_PYTHON)
     return parser.parse_args()
 
@@ -259,7 +259,7 @@ def main() -> None:
             "Create it with `make bench-torchrec` (or pass --torchrec-python), then run "
             "this again; without the peer there are no ratios to print."
         )
-    shape = _lookup_shape.SMALL if args.small else _lookup_shape.FULL
+    shape = SMALL if args.small else FULL
     batches = make_batches(shape, args)
     figures = batch_figures(shape, batches)
     figures.update(rounds=args.rounds, steps_per_round=args.steps)
