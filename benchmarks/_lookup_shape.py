@@ -24,7 +24,9 @@ class LookupShape:
       zipf: ids are `(Zipf(zipf) - 1) mod vocabulary`.
       learning_rate: of every optimizer.
       initial_accumulator: Adagrad's and row-wise Adagrad's starting accumulator.
-      epsilon: row-wise Adagrad's (and TorchRec's Adagrad's) `eps`.
+      epsilon: added to the accumulator's root by row-wise Adagrad (both sides)
+        and by TorchRec's Adagrad (ours has none; next to the root of the
+        initial accumulator it is nothing).
     """
 
     tables: int

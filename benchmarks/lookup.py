@@ -232,7 +232,8 @@ def batch_figures(shape: LookupShape, batches: list[dict[str, embedding.RaggedId
 
 
 def greeting_figures(runners: dict[str, LineProcess]) -> dict:
-    figures = {"torchrec_version": runners["torchrec"].greeting["torchrec"]}
+    peer = runners["torchrec"].greeting
+    figures = {"torchrec_version": peer["torchrec"], "torchrec_threads": peer["threads"]}
     for name, suffix in SUFFIX.items():
         figures[f"limits{suffix}"] = runners[name].greeting["limits"]
     return figures

@@ -263,7 +263,7 @@ class Peer:
         check = check_one_step(name, model, self.batches[0], self.shape)
         self.model, self.next_batch = model, 1
         self._run(self.warmup)
-        return {"optimizer": name, "check": check, "threads": torch.get_num_threads()}
+        return {"optimizer": name, "check": check}
 
     def time(self, steps: str) -> dict:
         if self.model is None:
@@ -291,7 +291,11 @@ def main() -> None:
     shape = LookupShape.from_json(args.shape)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     peer = Peer(load_batches(args.batches, shape.tables), shape, args.warmup)
-    greeting = {"torchrec": torchrec.__version__, "torch": torch.__version__}
+    greeting = {
+        "torchrec": torchrec.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     serve(replies, {"setup": peer.setup, "time": peer.time}, greeting=greeting)
     dist.destroy_process_group()
 
