@@ -1,10 +1,12 @@
-# Both targets create and use the local virtualenv .venv.
+# demo, test and bench-env use the local virtualenv .venv; bench-torchrec makes .venv-torchrec.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCHREC_VENV := .venv-torchrec
+TORCHREC_STAMP := $(TORCHREC_VENV)/.installed
 
-.PHONY: demo test bench-env clean
+.PHONY: demo test bench-env bench-torchrec clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,5 +24,18 @@ test: $(STAMP)
 bench-env: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 
+# TorchRec, the peer of benchmarks/lookup.py, needs torch: it gets its own
+# environment. fbgemm-gpu-cpu 1.8 matches torch 2.13 (1.9 is built for a newer
+# torch); torchrec goes in with --no-deps, else pip pulls the CUDA fbgemm-gpu
+# over the CPU one.
+$(TORCHREC_STAMP):
+	python3.11 -m venv $(TORCHREC_VENV)
+	$(TORCHREC_VENV)/bin/pip install torch==2.13.0 tensordict iopath pyre-extensions torchmetrics
+	$(TORCHREC_VENV)/bin/pip install fbgemm-gpu-cpu==1.8.0
+	$(TORCHREC_VENV)/bin/pip install --no-deps torchrec==1.8.0
+	touch $(TORCHREC_STAMP)
+
+bench-torchrec: $(TORCHREC_STAMP)
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(TORCHREC_VENV) runs

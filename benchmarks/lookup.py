@@ -1,354 +1,287 @@
-"""One training step on sharded tables against the dense baseline, side by side.
+"""One sparse training step, ours against TorchRec's, on identical id batches.
 
-8 tables of 1M rows x dim 16, one feature each, global batch 4096, Zipf(1.1)
-ids, 1..20 ids per sample, 8 virtual CPU devices. A step is the lookup, the
-gradient of `0.5 * sum(activations^2)` (so the activation gradient is the
-activation) and an Adagrad update (one accumulator per table entry, as optax),
-jitted as one program with the variables donated.
+Shape (`--small` shrinks it for a quick check): 8 tables of 1M rows x dim 16,
+one feature each, global batch 4096, Zipf(1.1) ids, 1..20 ids per sample, sum
+combiner, loss `0.5 * sum(activations^2)`. For SGD, Adagrad (one accumulator
+per element) and row-wise Adagrad (one per row, FBGEMM's
+`EXACT_ROWWISE_ADAGRAD`), a step is the lookup, the backward and the sparse
+update, waited for:
 
-  * sparseflow: `sparse_dense_matmul` + `apply_gradients` on tables MOD-sharded
-    over 8 devices x S partitions; limits from a stats pass over the same
-    batches, as the FDO job would set them. Preprocessing runs beforehand and
-    is not timed (`benchmarks/preprocess.py` measures it).
-  * dense baseline (what one writes first): every table replicated on every
-    device, the batch split over the devices, `jnp.take` + segment sum, the
-    dense gradient of each table (all-reduced), optax Adagrad. Every device
-    repeats the dense update, so on virtual devices sharing a few cores it
-    pays for it 8 times over.
-  * TorchRec's EmbeddingBagCollection with fused row-wise Adagrad, when
-    `torchrec` is importable (not part of the project's environment).
+  * ours on 1 CPU device and on 8 virtual CPU devices, each in its own child
+    process (`_lookup_ours.py`; a process's device count is fixed when jax
+    starts): tables MOD-sharded, limits from a stats pass over the same
+    batches (nothing dropped), one jitted program with the variables donated.
+    The host preprocessing of every batch is timed at every setup
+    (`preprocess_ms`); it is not part of the step.
+  * TorchRec 1.8's EmbeddingBagCollection with the optimizer fused into
+    FBGEMM's table-batched backward, world 1 (`lookup_torchrec_peer.py`, run
+    with `.venv-torchrec`, which `make bench-torchrec` creates). Before it
+    times anything the peer checks one step of each optimizer against float64
+    numpy; a peer that fails its check stops the benchmark.
 
-Every step is waited for before the next is dispatched (XLA:CPU must not run
-two programs with collectives at once). The last line printed is one JSON
-object.
+The three processes read the same batches from one `.npz` file. For each
+optimizer, after each has set it up, they run `--steps` steps per turn, in
+`--rounds` rounds that alternate their order (ours, ours 8 devices, torchrec,
+torchrec, ours 8 devices, ours, ...), so the drift of a shared machine's load
+spreads over all three. Figures: the median step over all rounds (`*_ms`),
+its interquartile range (`*_ms_iqr`), and the ratio of each round
+(`*_by_round`).
 
-    python benchmarks/lookup.py [--steps 20] [--partitions-per-device 1]
+`ratio_vs_torchrec_<optimizer>` is TorchRec's step time over ours, that is our
+throughput over TorchRec's (above 1 we are faster); the `_8dev` keys are the
+same for ours on 8 devices. Row-wise Adagrad is compared with the faster of
+TorchRec's row-wise step and 0.65x its SGD step
+(`torchrec_rowwise_adagrad_target_ms`): FBGEMM's CPU row-wise backward takes a
+slow path on some CPUs, and where its fast path runs it takes 0.57-0.67x of
+its SGD step. The last line printed is one JSON object.
+
+    python benchmarks/lookup.py [--rounds 5] [--steps 10] [--batches 4]
+    python benchmarks/lookup.py --small    # seconds, for checking it runs
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
+import _zipf_batches
+import numpy as np
+from _alternating import alternating
+from _line_protocol import ChildError, LineProcess
+from _lookup_shape import FULL, OPTIMIZERS, SMALL, LookupShape
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import embedding
 
-import _zipf_batches  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
-import embedding  # noqa: E402
-
-TABLES = 8
-VOCABULARY = 1_000_000
-DIM = 16
-BATCH = 4096
-DEVICES = 8
-ZIPF = 1.1
-MAX_VALENCY = 20
-LEARNING_RATE = 0.05
-INITIAL_ACCUMULATOR = 0.1
+BENCHMARKS = Path(__file__).resolve().parent
+TORCHREC_PYTHON = BENCHMARKS.parent / ".venv-torchrec" / "bin" / "python"
+ROWWISE_VS_SGD = 0.65
+RUNNERS = ("ours", "ours_8dev", "torchrec")
+DEVICES = {"ours": 1, "ours_8dev": 8}
+SUFFIX = {"ours": "", "ours_8dev": "_8dev"}
 
 
-def make_batches(num_batches: int, seed: int) -> list[dict[str, embedding.RaggedIds]]:
+def write_batches(batches: list[dict[str, embedding.RaggedIds]], path: Path) -> None:
+    """`values_<b>_<t>` and `offsets_<b>_<t>` of every batch `b` and table `t`."""
+    arrays = {}
+    for b, batch in enumerate(batches):
+        for t in range(len(batch)):
+            arrays[f"values_{b}_{t}"] = batch[f"f{t}"].values
+            arrays[f"offsets_{b}_{t}"] = batch[f"f{t}"].row_splits
+    np.savez(path, **arrays)
+
+
+def _device_env(devices: int) -> dict[str, str]:
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    return dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}")
+
+
+def start_runners(
+    stack: contextlib.ExitStack, batches: Path, shape: LookupShape, args: argparse.Namespace
+) -> dict[str, LineProcess]:
+    runners = {}
+    for name, devices in DEVICES.items():
+        argv = [sys.executable, str(BENCHMARKS / "_lookup_ours.py"), str(batches)]
+        argv += ["--shape", shape.to_json(), "--devices", str(devices)]
+        argv += ["--partitions-per-device", str(args.partitions_per_device)]
+        runners[name] = stack.enter_context(LineProcess(name, argv, env=_device_env(devices)))
+    argv = [str(args.torchrec_python), str(BENCHMARKS / "lookup_torchrec_peer.py"), str(batches)]
+    runners["torchrec"] = stack.enter_context(
+        LineProcess("torchrec", argv + ["--shape", shape.to_json()])
+    )
+    return runners
+
+
+def measure(
+    optimizer: str, runners: dict[str, LineProcess], rounds: int, steps: int
+) -> tuple[dict[str, dict], dict[str, list[list[float]]]]:
+    """Sets `optimizer` up everywhere, then times it in alternating rounds.
+
+    Returns:
+      `(setup replies, step times)` by runner; a runner that could not set the
+      optimizer up has an `ok: false` reply and no times.
+
+    Raises:
+      SystemExit: the peer's step disagreed with numpy.
+    """
+    setups = {name: runner.request(f"setup {optimizer}") for name, runner in runners.items()}
+    peer = setups["torchrec"]
+    if not peer["ok"] and peer["error"].startswith("CheckFailed"):
+        raise SystemExit(f"TorchRec's {optimizer} step is not the reference step: {peer['error']}")
+    ready = [name for name in RUNNERS if setups[name]["ok"]]
+    times: dict[str, list[list[float]]] = {name: [] for name in ready}
+    for _, name in alternating(ready, rounds):
+        times[name].append(runners[name].call(f"time {steps}")["step_ms"])
+    return setups, times
+
+
+def _ms(values: list[float]) -> float:
+    return round(statistics.median(values), 2)
+
+
+def _iqr(values: list[float]) -> list[float]:
+    return [round(float(q), 2) for q in np.percentile(values, [25, 75])]
+
+
+def step_figures(optimizer: str, times: dict[str, list[list[float]]]) -> dict:
+    """`<runner>_<optimizer>_ms[_8dev]`, its IQR and its round medians."""
+    figures = {}
+    for name, rounds in times.items():
+        runner, suffix = ("torchrec", "") if name == "torchrec" else ("ours", SUFFIX[name])
+        key = f"{runner}_{optimizer}_ms"
+        every = [t for r in rounds for t in r]
+        figures[key + suffix] = _ms(every)
+        figures[f"{key}_iqr{suffix}"] = _iqr(every)
+        figures[f"{key}_by_round{suffix}"] = [_ms(r) for r in rounds]
+    return figures
+
+
+def ratio_figures(optimizer: str, figures: dict) -> dict:
+    """`ratio_vs_torchrec_<optimizer>[_8dev]` (and by round) where both sides ran."""
+    peer = figures.get(f"torchrec_{optimizer}_ms")
+    peer_rounds = figures.get(f"torchrec_{optimizer}_ms_by_round", [])
+    out = {}
+    if optimizer == "rowwise_adagrad" and "torchrec_sgd_ms" in figures:
+        sgd_share = round(ROWWISE_VS_SGD * figures["torchrec_sgd_ms"], 2)
+        peer = sgd_share if peer is None else min(peer, sgd_share)
+        peer_rounds = [min(r, sgd_share) for r in peer_rounds]
+        out["torchrec_rowwise_adagrad_target_ms"] = peer
+    if peer is None:
+        return out
+    for suffix in SUFFIX.values():
+        ours = figures.get(f"ours_{optimizer}_ms{suffix}")
+        if ours is None:
+            continue
+        ours_rounds = figures[f"ours_{optimizer}_ms_by_round{suffix}"]
+        if len(peer_rounds) != len(ours_rounds):  # the peer's row-wise step did not run
+            peer_rounds = [peer] * len(ours_rounds)
+        key = f"ratio_vs_torchrec_{optimizer}"
+        out[key + suffix] = round(peer / ours, 3)
+        out[f"{key}_by_round{suffix}"] = [
+            round(p / o, 3) for p, o in zip(peer_rounds, ours_rounds, strict=True)
+        ]
+    return out
+
+
+def setup_figures(setups: dict[str, dict[str, dict]]) -> dict:
+    """Preprocessing times, the peer's check and what could not run, from the
+    setup replies by optimizer and runner."""
+    figures = {}
+    for name, suffix in SUFFIX.items():
+        times = [
+            t for by_runner in setups.values() for t in by_runner[name].get("preprocess_ms", [])
+        ]
+        if times:
+            figures[f"preprocess_ms{suffix}"] = _ms(times)
+            figures[f"preprocess_ms_iqr{suffix}"] = _iqr(times)
+    figures["torchrec_check_max_relative_error"] = {
+        optimizer: by_runner["torchrec"]["check"]["max_relative_error"]
+        for optimizer, by_runner in setups.items()
+        if by_runner["torchrec"]["ok"]
+    }
+    figures["unavailable"] = {
+        f"{name}_{optimizer}": reply["error"]
+        for optimizer, by_runner in setups.items()
+        for name, reply in by_runner.items()
+        if not reply["ok"]
+    }
+    return figures
+
+
+def adagrad_figures(figures: dict) -> dict:
+    """Our Adagrad step over our SGD step (the target: at most 1.5)."""
+    out = {}
+    for suffix in SUFFIX.values():
+        adagrad, sgd = figures.get(f"ours_adagrad_ms{suffix}"), figures.get(f"ours_sgd_ms{suffix}")
+        if adagrad is not None and sgd is not None:
+            out[f"ours_adagrad_over_sgd{suffix}"] = round(adagrad / sgd, 3)
+    return out
+
+
+def make_batches(
+    shape: LookupShape, args: argparse.Namespace
+) -> list[dict[str, embedding.RaggedIds]]:
     return _zipf_batches.make_batches(
-        num_batches,
-        seed,
-        tables=TABLES,
-        rows=BATCH,
-        vocabulary=VOCABULARY,
-        zipf=ZIPF,
-        max_valency=MAX_VALENCY,
+        args.batches,
+        args.seed,
+        tables=shape.tables,
+        rows=shape.batch,
+        vocabulary=shape.vocabulary,
+        zipf=shape.zipf,
+        max_valency=shape.max_valency,
     )
 
 
-def make_specs(limits: dict[str, int]) -> dict[str, embedding.FeatureSpec]:
-    optimizer = embedding.AdagradOptimizerSpec(
-        learning_rate=LEARNING_RATE, initial_accumulator_value=INITIAL_ACCUMULATOR
-    )
-    specs = {}
-    for t in range(TABLES):
-        table = embedding.TableSpec(
-            name=f"t{t}",
-            vocabulary_size=VOCABULARY,
-            embedding_dim=DIM,
-            initializer=embedding.initializers.TruncatedNormal(0.01),
-            optimizer=optimizer,
-            combiner="sum",
-            **limits,
-        )
-        specs[f"f{t}"] = embedding.FeatureSpec(
-            name=f"f{t}",
-            table_spec=table,
-            input_shape=[BATCH, MAX_VALENCY],
-            output_shape=[BATCH, DIM],
-        )
-    return specs
-
-
-def preprocess(batch, specs, slots: int, allow_id_dropping: bool = False):
-    return embedding.preprocess_sparse_dense_matmul_input(
-        batch,
-        None,
-        specs,
-        DEVICES,
-        DEVICES,
-        num_sc_per_device=slots,
-        allow_id_dropping=allow_id_dropping,
-    )
-
-
-def fdo_limits(batches, slots: int) -> dict[str, int]:
-    """Limits from a stats pass (stats count before dropping, so it may drop)."""
-    specs = make_specs(dict(max_ids_per_partition=256, max_unique_ids_per_partition=256))
-    max_ids = max_unique = buffer = 0
-    for batch in batches:
-        _, stats = preprocess(batch, specs, slots, allow_id_dropping=True)
-        max_ids = max(max_ids, *(int(v.max()) for v in stats.max_ids_per_partition.values()))
-        max_unique = max(
-            max_unique, *(int(v.max()) for v in stats.max_unique_ids_per_partition.values())
-        )
-        buffer = max(
-            buffer, *(int(v.max()) * slots for v in stats.required_buffer_size_per_sc.values())
-        )
+def batch_figures(shape: LookupShape, batches: list[dict[str, embedding.RaggedIds]]) -> dict:
+    ids = [sum(r.values.size for r in b.values()) for b in batches]
+    unique = [sum(np.unique(r.values).size for r in b.values()) for b in batches]
     return dict(
-        max_ids_per_partition=max_ids,
-        max_unique_ids_per_partition=max_unique,
-        suggested_coo_buffer_size_per_device=buffer,
+        benchmark="lookup",
+        **{k: getattr(shape, k) for k in ("tables", "vocabulary", "dim", "batch", "zipf")},
+        ids_per_step=int(np.mean(ids)),
+        unique_ids_per_step=int(np.mean(unique)),
     )
 
 
-def timed_steps(step, state, inputs, steps: int) -> tuple[object, float]:
-    """Runs `steps` steps (after 2 warm-up steps); returns (state, median seconds)."""
-    times = []
-    for i in range(steps + 2):
-        start = time.perf_counter()
-        state = jax.block_until_ready(step(state, inputs[i % len(inputs)]))
-        times.append(time.perf_counter() - start)
-    return state, statistics.median(times[2:])
+def greeting_figures(runners: dict[str, LineProcess]) -> dict:
+    peer = runners["torchrec"].greeting
+    figures = {"torchrec_version": peer["torchrec"], "torchrec_threads": peer["threads"]}
+    for name, suffix in SUFFIX.items():
+        figures[f"limits{suffix}"] = runners[name].greeting["limits"]
+    return figures
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes of `tree`'s arrays that device 0 holds."""
-    device = jax.devices()[0]
-    return sum(
-        shard.data.nbytes
-        for leaf in jax.tree.leaves(tree)
-        for shard in leaf.addressable_shards
-        if shard.device == device
-    )
-
-
-def max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def run_sharded(batches, slots: int, steps: int, mesh: Mesh) -> dict:
-    limits = fdo_limits(batches, slots)
-    specs = make_specs(limits)
-    start = time.perf_counter()
-    laid_out = [preprocess(b, specs, slots, allow_id_dropping=True) for b in batches]
-    preprocess_s = (time.perf_counter() - start) / len(batches)
-    drops = sum(sum(stats.id_drop_counters.values()) for _, stats in laid_out)
-    rows = NamedSharding(mesh, PartitionSpec("x"))
-    inputs = jax.block_until_ready([jax.device_put(i, rows) for i, _ in laid_out])
-    variables = jax.block_until_ready(
-        embedding.init_embedding_variables(jax.random.key(0), specs, mesh, num_sc_per_device=slots)
-    )
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(variables, preprocessed):
-        activations = embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
-        return embedding.apply_gradients(activations, preprocessed, variables, specs, mesh, 0)
-
-    variables, seconds = timed_steps(step, variables, inputs, steps)
-    result = dict(
-        sharded_step_ms=round(seconds * 1e3, 2),
-        sharded_steps_per_s=round(1 / seconds, 3),
-        sharded_table_bytes_per_device=per_device_bytes([v.table for v in variables.values()]),
-        sharded_preprocess_ms_per_batch=round(preprocess_s * 1e3, 1),
-        sharded_max_rss_mib=round(max_rss_mib()),
-        partitions_per_device=slots,
-        id_drops=drops,
-        **limits,
-    )
-    del variables
-    return result
-
-
-def dense_lookup(tables, ids, samples, batch_size):
-    return [
-        jax.ops.segment_sum(
-            jnp.take(table, i, axis=0, mode="fill", fill_value=0), s, num_segments=batch_size
-        )
-        for table, i, s in zip(tables, ids, samples, strict=True)
-    ]
-
-
-def dense_inputs(batch, mesh: Mesh):
-    """Per table, ids and their sample of each device's part of the batch,
-    padded to one static length (-1 ids read a zero row)."""
-    per_device = BATCH // DEVICES
-    ids, samples = [], []
-    for t in range(TABLES):
-        ragged = batch[f"f{t}"]
-        cuts = ragged.row_splits[::per_device]
-        width = int(np.diff(cuts).max())
-        block_ids = np.full((DEVICES, width), VOCABULARY, np.int32)
-        block_samples = np.zeros((DEVICES, width), np.int32)
-        for d in range(DEVICES):
-            part = slice(cuts[d], cuts[d + 1])
-            lengths = np.diff(ragged.row_splits[d * per_device : (d + 1) * per_device + 1])
-            block_ids[d, : cuts[d + 1] - cuts[d]] = ragged.values[part]
-            block_samples[d, : cuts[d + 1] - cuts[d]] = np.repeat(np.arange(per_device), lengths)
-        ids.append(block_ids)
-        samples.append(block_samples)
-    sharding = NamedSharding(mesh, PartitionSpec("x"))
-    return jax.device_put((ids, samples), sharding)
-
-
-def run_dense(batches, steps: int, mesh: Mesh) -> dict:
-    replicated = NamedSharding(mesh, PartitionSpec())
-    optimizer = optax.adagrad(LEARNING_RATE, initial_accumulator_value=INITIAL_ACCUMULATOR)
-    init = jax.jit(
-        lambda key: [
-            embedding.initializers.TruncatedNormal(0.01)(k, (VOCABULARY, DIM))
-            for k in jax.random.split(key, TABLES)
-        ],
-        out_shardings=replicated,
-    )
-    tables = jax.block_until_ready(init(jax.random.key(0)))
-    state = (tables, jax.jit(optimizer.init, out_shardings=replicated)(tables))
-    inputs = jax.block_until_ready([dense_inputs(b, mesh) for b in batches])
-    per_device = BATCH // DEVICES
-
-    def device_loss(tables, ids, samples):
-        activations = dense_lookup(tables, [i[0] for i in ids], [s[0] for s in samples], per_device)
-        return sum(0.5 * jnp.sum(a * a) for a in activations)
-
-    def device_grads(tables, ids, samples):
-        grads = jax.grad(device_loss)(tables, ids, samples)
-        return jax.lax.psum(grads, "x")
-
-    grads_fn = jax.shard_map(
-        device_grads,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), PartitionSpec("x"), PartitionSpec("x")),
-        out_specs=PartitionSpec(),
-    )
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(state, inputs):
-        tables, opt_state = state
-        grads = grads_fn(tables, *inputs)
-        updates, opt_state = optimizer.update(grads, opt_state, tables)
-        return optax.apply_updates(tables, updates), opt_state
-
-    state, seconds = timed_steps(step, state, inputs, steps)
-    result = dict(
-        dense_step_ms=round(seconds * 1e3, 2),
-        dense_steps_per_s=round(1 / seconds, 3),
-        dense_table_bytes_per_device=per_device_bytes(state[0]),
-        dense_max_rss_mib=round(max_rss_mib()),
-    )
-    del state
-    return result
-
-
-def run_torchrec(batches, steps: int) -> dict:
-    """TorchRec's fused row-wise Adagrad EmbeddingBagCollection on CPU, if installed."""
-    try:
-        import torch
-        import torchrec
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-    except ImportError:
-        return dict(torchrec="not installed")
-    collection = FusedEmbeddingBagCollection(
-        tables=[
-            torchrec.EmbeddingBagConfig(
-                name=f"t{t}",
-                embedding_dim=DIM,
-                num_embeddings=VOCABULARY,
-                feature_names=[f"f{t}"],
-            )
-            for t in range(TABLES)
-        ],
-        optimizer_type=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        optimizer_kwargs={"lr": LEARNING_RATE},
-        device=torch.device("cpu"),
-    )
-    keys = [f"f{t}" for t in range(TABLES)]
-    inputs = [
-        torchrec.KeyedJaggedTensor(
-            keys=keys,
-            values=torch.from_numpy(np.concatenate([b[k].values for k in keys]).astype(np.int64)),
-            lengths=torch.from_numpy(np.concatenate([np.diff(b[k].row_splits) for k in keys])),
-        )
-        for b in batches
-    ]
-    times = []
-    for i in range(steps + 2):
-        start = time.perf_counter()
-        pooled = collection(inputs[i % len(inputs)]).values()
-        (0.5 * (pooled * pooled).sum()).backward()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[2:])
-    return dict(
-        torchrec_step_ms=round(seconds * 1e3, 2), torchrec_steps_per_s=round(1 / seconds, 3)
-    )
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--small", action="store_true", help="a small shape, to check it runs")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="steps per runner per round")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--partitions-per-device", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-dense", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
+    parser.add_argument("--torchrec-python", type=Path, default=TORCHREC_PYTHON)
+    return parser.parse_args()
 
-    mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("x",))
-    batches = make_batches(args.batches, args.seed)
-    ids_per_step = int(np.mean([sum(r.values.size for r in b.values()) for b in batches]))
-    result = dict(
-        benchmark="lookup",
-        tables=TABLES,
-        vocabulary=VOCABULARY,
-        dim=DIM,
-        global_batch=BATCH,
-        devices=DEVICES,
-        ids_per_step=ids_per_step,
-        **run_sharded(batches, args.partitions_per_device, args.steps, mesh),
-    )
-    result["sharded_ids_per_s"] = round(ids_per_step * 1e3 / result["sharded_step_ms"])
-    if not args.skip_dense:
-        result.update(run_dense(batches, args.steps, mesh))
-        result["dense_ids_per_s"] = round(ids_per_step * 1e3 / result["dense_step_ms"])
-        result["ratio_vs_dense_baseline"] = round(
-            result["dense_step_ms"] / result["sharded_step_ms"], 2
+
+def main() -> None:
+    args = parse_args()
+    if not args.torchrec_python.exists():
+        raise SystemExit(
+            f"TorchRec's environment is missing ({args.torchrec_python} does not exist). "
+            "Create it with `make bench-torchrec` (or pass --torchrec-python), then run "
+            "this again; without the peer there are no ratios to print."
         )
-        result["table_memory_ratio_vs_dense"] = round(
-            result["sharded_table_bytes_per_device"] / result["dense_table_bytes_per_device"], 4
-        )
-    torchrec = run_torchrec(batches, args.steps)
-    result.update(torchrec)
-    if "torchrec_steps_per_s" in torchrec:
-        result["ratio_vs_torchrec"] = round(
-            torchrec["torchrec_step_ms"] / result["sharded_step_ms"], 2
-        )
-    print(json.dumps(result))
+    shape = SMALL if args.small else FULL
+    batches = make_batches(shape, args)
+    figures = batch_figures(shape, batches)
+    figures.update(rounds=args.rounds, steps_per_round=args.steps)
+    figures.update(partitions_per_device=args.partitions_per_device)
+    setups = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        path = Path(tmp) / "batches.npz"
+        write_batches(batches, path)
+        runners = start_runners(stack, path, shape, args)
+        figures.update(greeting_figures(runners))
+        for optimizer in args.optimizers.split(","):
+            setups[optimizer], times = measure(optimizer, runners, args.rounds, args.steps)
+            figures.update(step_figures(optimizer, times))
+            figures.update(ratio_figures(optimizer, figures))
+    figures.update(adagrad_figures(figures))
+    figures.update(setup_figures(setups))
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ChildError as e:
+        raise SystemExit(f"lookup benchmark: {e}") from e

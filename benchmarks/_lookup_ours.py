@@ -1,0 +1,230 @@
+"""Our training step on the lookup benchmark's batches, as a child process of
+`benchmarks/lookup.py`.
+
+The process sees as many CPU devices as its parent asked for (through
+`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set in its environment
+before jax starts) and checks that it got them. Tables are MOD-sharded over
+the N devices x `--partitions-per-device` partitions, with limits from a stats
+pass over the same batches (as the FDO job sets them), so no id is dropped.
+A step is `sparse_dense_matmul`, the gradient of `0.5 * sum(activations^2)`
+(the activations themselves) and `apply_gradients`, jitted as one program with
+the variables donated, and waited for.
+
+Commands (the line protocol of `_line_protocol.py`):
+  * `setup <optimizer>`: drops the previous optimizer's variables, lays out
+    every batch (timed: `preprocess_ms`, one time per batch), creates the
+    variables and compiles and warms up the step. `rowwise_adagrad` needs
+    `embedding.RowWiseAdagradOptimizerSpec`; without it setup answers
+    `ok: false`.
+  * `time <steps>`: runs `steps` steps over the batches in turn; answers
+    `step_ms`, one time per step.
+  * `quit`.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python benchmarks/_lookup_ours.py BATCHES.npz --devices 8 --shape '{...}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import time
+
+import jax
+import numpy as np
+from _line_protocol import reply_stream, serve
+from _lookup_shape import OPTIMIZERS, LookupShape
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import embedding
+
+Batch = dict[str, embedding.RaggedIds]
+
+
+def load_batches(path: str, tables: int) -> list[Batch]:
+    """The driver's `.npz` (`values_<b>_<t>`, `offsets_<b>_<t>`) as `RaggedIds` by feature."""
+    with np.load(path) as data:
+        count = sum(1 for name in data.files if name.startswith("values_") and name.endswith("_0"))
+        return [
+            {
+                f"f{t}": embedding.RaggedIds(data[f"values_{b}_{t}"], data[f"offsets_{b}_{t}"])
+                for t in range(tables)
+            }
+            for b in range(count)
+        ]
+
+
+def optimizer_spec(name: str, shape: LookupShape) -> embedding.OptimizerSpec:
+    lr, initial = shape.learning_rate, shape.initial_accumulator
+    if name == "sgd":
+        return embedding.SGDOptimizerSpec(learning_rate=lr)
+    if name == "adagrad":
+        return embedding.AdagradOptimizerSpec(learning_rate=lr, initial_accumulator_value=initial)
+    if name == "rowwise_adagrad":
+        if not hasattr(embedding, "RowWiseAdagradOptimizerSpec"):
+            raise NotImplementedError("this embedding has no RowWiseAdagradOptimizerSpec")
+        return embedding.RowWiseAdagradOptimizerSpec(
+            learning_rate=lr, initial_accumulator_value=initial, epsilon=shape.epsilon
+        )
+    raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS}")
+
+
+def feature_specs(
+    shape: LookupShape, optimizer: embedding.OptimizerSpec, limits: dict[str, int]
+) -> dict[str, embedding.FeatureSpec]:
+    specs = {}
+    for t in range(shape.tables):
+        table = embedding.TableSpec(
+            name=f"t{t}",
+            vocabulary_size=shape.vocabulary,
+            embedding_dim=shape.dim,
+            initializer=embedding.initializers.TruncatedNormal(0.01),
+            optimizer=optimizer,
+            combiner="sum",
+            **limits,
+        )
+        specs[f"f{t}"] = embedding.FeatureSpec(
+            name=f"f{t}",
+            table_spec=table,
+            input_shape=[shape.batch, shape.max_valency],
+            output_shape=[shape.batch, shape.dim],
+        )
+    return specs
+
+
+class OurStep:
+    """Our step for one optimizer at a time on `mesh`, driven by commands."""
+
+    def __init__(
+        self, batches: list[Batch], shape: LookupShape, mesh: Mesh, partitions: int, warmup: int
+    ) -> None:
+        self.batches = batches
+        self.shape = shape
+        self.mesh = mesh
+        self.partitions = partitions
+        self.warmup = warmup
+        self.limits = self._stats_limits()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.step = self.variables = None
+        self.inputs: list = []
+        self.next_batch = 0
+        gc.collect()
+
+    def _preprocess(self, batch: Batch, specs, allow_id_dropping: bool = False):
+        devices = self.mesh.size
+        return embedding.preprocess_sparse_dense_matmul_input(
+            batch,
+            None,
+            specs,
+            devices,
+            devices,
+            num_sc_per_device=self.partitions,
+            allow_id_dropping=allow_id_dropping,
+        )
+
+    def _stats_limits(self) -> dict[str, int]:
+        """Limits from a stats pass (stats count before dropping, so the pass may drop)."""
+        loose = dict(max_ids_per_partition=256, max_unique_ids_per_partition=256)
+        specs = feature_specs(self.shape, embedding.SGDOptimizerSpec(), loose)
+        max_ids = max_unique = buffer = 0
+        for batch in self.batches:
+            _, stats = self._preprocess(batch, specs, allow_id_dropping=True)
+            max_ids = max(max_ids, *(int(v.max()) for v in stats.max_ids_per_partition.values()))
+            max_unique = max(
+                max_unique, *(int(v.max()) for v in stats.max_unique_ids_per_partition.values())
+            )
+            buffer = max(
+                buffer,
+                *(
+                    int(v.max()) * self.partitions
+                    for v in stats.required_buffer_size_per_sc.values()
+                ),
+            )
+        return dict(
+            max_ids_per_partition=max_ids,
+            max_unique_ids_per_partition=max_unique,
+            suggested_coo_buffer_size_per_device=buffer,
+        )
+
+    def setup(self, name: str) -> dict:
+        self._clear()
+        specs = feature_specs(self.shape, optimizer_spec(name, self.shape), self.limits)
+        laid_out, preprocess_ms = [], []
+        for batch in self.batches:
+            start = time.perf_counter()
+            laid_out.append(self._preprocess(batch, specs)[0])  # over a limit raises
+            preprocess_ms.append((time.perf_counter() - start) * 1e3)
+        rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
+        self.inputs = jax.block_until_ready([jax.device_put(x, rows) for x in laid_out])
+        self.variables = jax.block_until_ready(
+            embedding.init_embedding_variables(
+                jax.random.key(0), specs, self.mesh, num_sc_per_device=self.partitions
+            )
+        )
+        self.step = _step_program(specs, self.mesh)
+        start = time.perf_counter()
+        self._run(1 + self.warmup)
+        return {
+            "optimizer": name,
+            "preprocess_ms": preprocess_ms,
+            "compile_and_warmup_s": round(time.perf_counter() - start, 2),
+        }
+
+    def time(self, steps: str) -> dict:
+        if self.step is None:
+            raise RuntimeError("no step: `setup <optimizer>` first (or it failed)")
+        return {"step_ms": self._run(int(steps))}
+
+    def _run(self, steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            batch = self.inputs[self.next_batch % len(self.inputs)]
+            self.next_batch += 1
+            start = time.perf_counter()
+            self.variables = jax.block_until_ready(self.step(self.variables, batch))
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+
+
+def _step_program(specs, mesh: Mesh):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(variables, preprocessed):
+        activations = embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
+        # d(0.5 * sum(a^2)) / da = a
+        return embedding.apply_gradients(activations, preprocessed, variables, specs, mesh, 0)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("batches", help=".npz of values_<b>_<t> and offsets_<b>_<t>")
+    parser.add_argument("--shape", required=True, help="a LookupShape as JSON")
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--partitions-per-device", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    replies = reply_stream()
+    if jax.device_count() != args.devices:
+        raise SystemExit(
+            f"asked for {args.devices} devices, jax has {jax.device_count()}: set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices} in the environment"
+        )
+    shape = LookupShape.from_json(args.shape)
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    ours = OurStep(
+        load_batches(args.batches, shape.tables),
+        shape,
+        mesh,
+        args.partitions_per_device,
+        args.warmup,
+    )
+    greeting = {"devices": mesh.size, "limits": ours.limits}
+    serve(replies, {"setup": ours.setup, "time": ours.time}, greeting=greeting)
+
+
+if __name__ == "__main__":
+    main()
