@@ -9,7 +9,11 @@
 // per slot.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <functional>
+#include <memory>
+#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -21,6 +25,63 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kAlignment = 8;
+
+// Rows are read and written at random places of tables far larger than the
+// caches; requesting a row this many rows ahead hides most of the wait.
+constexpr int64_t kPrefetchAhead = 16;
+
+// Work is cut into chunks by its size alone, whatever the thread count,
+// each chunk computed in a fixed order, so that results are bitwise the same
+// on every machine and in every run. Smaller work stays on one thread: it
+// takes less than handing it over, and where devices share the cores (XLA
+// runs every device's program at once) a helper may wait for a core.
+constexpr int64_t kMaxChunks = 16;
+constexpr int64_t kMinChunkItems = 8192;
+
+int64_t ChunksFor(int64_t items) {
+  return std::max<int64_t>(1, std::min(kMaxChunks, items / kMinChunkItems));
+}
+
+// Runs body(c) for c in [0, chunks) on the caller and XLA's intra-op threads.
+// Every participant takes the next chunk until none is left, so the call
+// never waits for a thread that has not started (on a busy pool the caller
+// does everything); late helpers find no chunk and touch nothing of the
+// caller's, whose frame they may outlive.
+void ParallelFor(ffi::ThreadPool& pool, int64_t chunks, const std::function<void(int64_t)>& body) {
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), chunks);
+  if (threads <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) body(c);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    int64_t chunks = 0;
+    const std::function<void(int64_t)>* body = nullptr;
+  };
+  auto state = std::make_shared<State>();
+  state->chunks = chunks;
+  state->body = &body;
+  auto work = [](State& st) {
+    for (int64_t c = st.next.fetch_add(1); c < st.chunks; c = st.next.fetch_add(1)) {
+      (*st.body)(c);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([state, work] { work(*state); });
+  work(*state);
+  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+// [begin, end) of chunk c of n items.
+std::pair<int64_t, int64_t> ChunkOf(int64_t c, int64_t n, int64_t chunks) {
+  return {n * c / chunks, n * (c + 1) / chunks};
+}
+
+template <int rw>
+void PrefetchRow(const float* row, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) __builtin_prefetch(row + d, rw, 1);
+}
 
 int64_t RoundUp(int64_t x) { return (x + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -107,21 +168,29 @@ ffi::Error Route(ffi::Buffer<ffi::S32> row_pointers, ffi::Buffer<ffi::S32> ids,
 }
 
 // out[m] = table[rows[m]], zero where rows[m] is out of range.
-ffi::Error GatherRows(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> rows,
-                      ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table,
+                      ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
   const int64_t dim = table.dimensions()[1];
   const int64_t num_rows = table.dimensions()[0];
   const int64_t n = rows.element_count();
   const float* t = table.typed_data();
+  const int32_t* r = rows.typed_data();
   float* o = out->typed_data();
-  for (int64_t m = 0; m < n; ++m) {
-    const int64_t r = rows.typed_data()[m];
-    if (r >= 0 && r < num_rows) {
-      std::memcpy(o + m * dim, t + r * dim, dim * sizeof(float));
-    } else {
-      std::memset(o + m * dim, 0, dim * sizeof(float));
+  const int64_t chunks = ChunksFor(n);
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    auto [begin, end] = ChunkOf(c, n, chunks);
+    for (int64_t m = begin; m < end; ++m) {
+      if (m + kPrefetchAhead < end) {
+        const int64_t ahead = r[m + kPrefetchAhead];
+        if (ahead >= 0 && ahead < num_rows) PrefetchRow<0>(t + ahead * dim, dim);
+      }
+      if (r[m] >= 0 && r[m] < num_rows) {
+        std::memcpy(o + m * dim, t + r[m] * dim, dim * sizeof(float));
+      } else {
+        std::memset(o + m * dim, 0, dim * sizeof(float));
+      }
     }
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -152,99 +221,135 @@ ffi::Error Pool(ffi::Buffer<ffi::S32> entry_index, ffi::Buffer<ffi::S32> samples
 }
 
 // The transpose of Pool: row_grads float32[num_rows, D], per distinct row
-// the sum of gain * the sample's gradient over the row's entries.
-ffi::Error PoolTranspose(ffi::Buffer<ffi::S32> entry_index, ffi::Buffer<ffi::S32> samples,
-                         ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> grads,
-                         ffi::ResultBuffer<ffi::F32> row_grads) {
+// the sum of gain * the sample's gradient over the row's entries. An entry's
+// row index never decreases along the layout (slots, then devices, then
+// rows in order), so chunks cut where the index changes write disjoint rows.
+ffi::Error PoolTranspose(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index,
+                         ffi::Buffer<ffi::S32> samples, ffi::Buffer<ffi::F32> gains,
+                         ffi::Buffer<ffi::F32> grads, ffi::ResultBuffer<ffi::F32> row_grads) {
   const int64_t slots = grads.dimensions()[0];
   const int64_t num_samples = grads.dimensions()[1];
   const int64_t dim = grads.dimensions()[2];
   const int64_t capacity = entry_index.element_count() / slots;
   const int64_t num_rows = row_grads->dimensions()[0];
+  const int64_t n = slots * capacity;
+  const int32_t* index = entry_index.typed_data();
   float* out = row_grads->typed_data();
   std::fill(out, out + num_rows * dim, 0.0f);
-  for (int64_t s = 0; s < slots; ++s) {
-    for (int64_t i = 0; i < capacity; ++i) {
-      const int64_t e = s * capacity + i;
-      const int64_t u = entry_index.typed_data()[e];
+  // A chunk starts at the first entry past its nominal start whose row
+  // differs from the row before it.
+  auto boundary = [&](int64_t position) {
+    if (position <= 0 || position >= n) return position <= 0 ? int64_t{0} : n;
+    while (position < n && (index[position] < 0 || index[position] == index[position - 1])) {
+      ++position;
+    }
+    return position;
+  };
+  const int64_t chunks = ChunksFor(n);
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    auto [nominal_begin, nominal_end] = ChunkOf(c, n, chunks);
+    const int64_t begin = boundary(nominal_begin);
+    const int64_t end = boundary(nominal_end);
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t u = index[e];
       const int64_t sample = samples.typed_data()[e];
       if (u < 0 || u >= num_rows || sample < 0 || sample >= num_samples) continue;
       const float gain = gains.typed_data()[e];
-      const float* g = grads.typed_data() + (s * num_samples + sample) * dim;
+      const float* g = grads.typed_data() + ((e / capacity) * num_samples + sample) * dim;
       float* target = out + u * dim;
       for (int64_t d = 0; d < dim; ++d) target[d] += gain * g[d];
     }
-  }
+  });
   return ffi::Error::Success();
 }
 
 enum class Rule { kSgd, kAdagrad, kRowWiseAdagrad };
 
 // Merges the gradients the owner received (runs of U rows, one per source
-// slot and device, each ascending and padded with out-of-range rows) and
-// applies the optimizer once per distinct row, in place.
+// slot and device, each ascending and padded with out-of-range rows) for the
+// rows in [row_begin, row_end) and applies the optimizer once per distinct
+// row, in place. A row's gradients are summed in run order.
 template <Rule rule>
 void MergeAndApply(const int32_t* received, const float* grads, int64_t runs, int64_t uniques,
-                   int64_t dim, int64_t shard_rows, float learning_rate, float epsilon,
-                   const int32_t* table_starts, const int32_t* table_dims, int64_t tables,
-                   int64_t rows_per_partition, float* table, float* slot) {
-  // Heads of the runs still holding rows; runs are few (S * G), so the
-  // smallest head is found by a scan.
-  int64_t heads[4096];
-  int64_t active = 0;
-  int64_t run_of[4096];
+                   int64_t dim, int64_t shard_rows, int64_t row_begin, int64_t row_end,
+                   float learning_rate, float epsilon, const int32_t* table_starts,
+                   const int32_t* table_dims, int64_t tables, int64_t rows_per_partition,
+                   float* table, float* slot) {
+  // Position and end of every run still holding rows of the range; runs are
+  // few (S * G), so the smallest head is found by a scan.
+  std::vector<int64_t> heads, ends;
   for (int64_t r = 0; r < runs; ++r) {
-    if (uniques > 0 && received[r * uniques] >= 0 && received[r * uniques] < shard_rows) {
-      heads[active] = r * uniques;
-      run_of[active] = r;
-      ++active;
+    const int32_t* run = received + r * uniques;
+    const int64_t begin = std::lower_bound(run, run + uniques, row_begin) - received;
+    const int64_t end = std::lower_bound(run, run + uniques, row_end) - received;
+    if (begin < end) {
+      heads.push_back(begin);
+      ends.push_back(end);
     }
   }
-  float sum[1024];
-  while (active > 0) {
-    int64_t row = shard_rows;
-    for (int64_t a = 0; a < active; ++a) {
-      const int64_t candidate = received[heads[a]];
-      if (candidate < row) row = candidate;
-    }
-    std::fill(sum, sum + dim, 0.0f);
-    for (int64_t a = 0; a < active;) {
-      if (received[heads[a]] != row) {
-        ++a;
-        continue;
-      }
-      const float* g = grads + heads[a] * dim;
-      for (int64_t d = 0; d < dim; ++d) sum[d] += g[d];
-      const int64_t next = heads[a] + 1;
-      const int64_t end = (run_of[a] + 1) * uniques;
-      if (next < end && received[next] > row && received[next] < shard_rows) {
-        heads[a] = next;
-        ++a;
-      } else {
-        --active;
-        heads[a] = heads[active];
-        run_of[a] = run_of[active];
-      }
-    }
+  auto prefetch = [&](int64_t position, int64_t end) {
+    if (position >= end) return;
+    const int64_t row = received[position];
+    PrefetchRow<1>(table + row * dim, dim);
+    if constexpr (rule == Rule::kAdagrad) PrefetchRow<1>(slot + row * dim, dim);
+    if constexpr (rule == Rule::kRowWiseAdagrad) __builtin_prefetch(slot + row, 1, 1);
+  };
+  for (size_t a = 0; a < heads.size(); ++a) {
+    for (int64_t i = 0; i < kPrefetchAhead; ++i) prefetch(heads[a] + i, ends[a]);
+  }
+  auto apply = [&](int64_t row, const float* g) {
     float* w = table + row * dim;
     if constexpr (rule == Rule::kSgd) {
-      for (int64_t d = 0; d < dim; ++d) w[d] -= learning_rate * sum[d];
+      for (int64_t d = 0; d < dim; ++d) w[d] -= learning_rate * g[d];
     } else if constexpr (rule == Rule::kAdagrad) {
       float* a = slot + row * dim;
       for (int64_t d = 0; d < dim; ++d) {
-        a[d] += sum[d] * sum[d];
-        w[d] -= learning_rate * sum[d] / std::sqrt(a[d]);
+        a[d] += g[d] * g[d];
+        w[d] -= learning_rate * g[d] / std::sqrt(a[d]);
       }
     } else {
-      const int64_t local = row % rows_per_partition;
       int64_t t = 0;
-      while (t + 1 < tables && local >= table_starts[t + 1]) ++t;
+      if (tables > 1) {
+        const int64_t local = row % rows_per_partition;
+        while (t + 1 < tables && local >= table_starts[t + 1]) ++t;
+      }
       float squares = 0.0f;
-      for (int64_t d = 0; d < dim; ++d) squares += sum[d] * sum[d];
+      for (int64_t d = 0; d < dim; ++d) squares += g[d] * g[d];
       slot[row] += squares / static_cast<float>(table_dims[t]);
       const float scale = learning_rate / (std::sqrt(slot[row]) + epsilon);
-      for (int64_t d = 0; d < dim; ++d) w[d] -= scale * sum[d];
+      for (int64_t d = 0; d < dim; ++d) w[d] -= scale * g[d];
     }
+  };
+  if (heads.size() == 1) {
+    // One source (one device, one slot): every row comes once.
+    for (int64_t i = heads[0]; i < ends[0]; ++i) {
+      prefetch(i + kPrefetchAhead, ends[0]);
+      apply(received[i], grads + i * dim);
+    }
+    return;
+  }
+  // Several sources: order (row, position) pairs by row; positions grow
+  // with the run, so a row's gradients are summed in run order.
+  std::vector<uint64_t> keys;
+  for (size_t a = 0; a < heads.size(); ++a) {
+    for (int64_t i = heads[a]; i < ends[a]; ++i) {
+      keys.push_back(static_cast<uint64_t>(received[i]) << 32 | static_cast<uint64_t>(i));
+    }
+  }
+  std::sort(keys.begin(), keys.end());
+  const int64_t n = keys.size();
+  auto position_of = [&](int64_t k) { return static_cast<int64_t>(keys[k] & 0xffffffffu); };
+  std::vector<float> sum(dim);
+  for (int64_t k = 0; k < n;) {
+    if (k + kPrefetchAhead < n) prefetch(position_of(k + kPrefetchAhead), position_of(k + kPrefetchAhead) + 1);
+    const int64_t row = static_cast<int64_t>(keys[k] >> 32);
+    const float* first = grads + position_of(k) * dim;
+    std::copy(first, first + dim, sum.begin());
+    for (++k; k < n && static_cast<int64_t>(keys[k] >> 32) == row; ++k) {
+      const float* g = grads + position_of(k) * dim;
+      for (int64_t d = 0; d < dim; ++d) sum[d] += g[d];
+    }
+    apply(row, sum.data());
   }
 }
 
@@ -257,34 +362,39 @@ void CopyUnlessAliased(ffi::Buffer<ffi::F32>& in, ffi::ResultBuffer<ffi::F32>& o
 }
 
 template <Rule rule>
-ffi::Error Apply(ffi::Buffer<ffi::S32>& received, ffi::Buffer<ffi::F32>& grads,
+ffi::Error Apply(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32>& received, ffi::Buffer<ffi::F32>& grads,
                  ffi::Buffer<ffi::F32>& learning_rate, ffi::Buffer<ffi::S32>& table_starts,
                  ffi::Buffer<ffi::S32>& table_dims, float* table, int64_t shard_rows, int64_t dim,
                  float* slot, int64_t runs, int64_t rows_per_partition, float epsilon) {
-  if (runs < 1 || runs > 4096 || dim > 1024) {
-    return ffi::Error::InvalidArgument("1 to 4096 sources and dim at most 1024 per stack");
+  if (runs < 1 || received.element_count() % runs != 0) {
+    return ffi::Error::InvalidArgument("the received rows are not whole runs");
   }
   const int64_t uniques = received.element_count() / runs;
-  MergeAndApply<rule>(received.typed_data(), grads.typed_data(), runs, uniques, dim, shard_rows,
-                      learning_rate.typed_data()[0], epsilon, table_starts.typed_data(),
-                      table_dims.typed_data(), table_starts.element_count(), rows_per_partition,
-                      table, slot);
+  // Chunks cut the shard's rows; the work is the rows received.
+  const int64_t chunks = ChunksFor(received.element_count());
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    auto [row_begin, row_end] = ChunkOf(c, shard_rows, chunks);
+    MergeAndApply<rule>(received.typed_data(), grads.typed_data(), runs, uniques, dim,
+                        shard_rows, row_begin, row_end, learning_rate.typed_data()[0], epsilon,
+                        table_starts.typed_data(), table_dims.typed_data(),
+                        table_starts.element_count(), rows_per_partition, table, slot);
+  });
   return ffi::Error::Success();
 }
 
-ffi::Error UpdateSgd(ffi::Buffer<ffi::S32> received, ffi::Buffer<ffi::F32> grads,
+ffi::Error UpdateSgd(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> received, ffi::Buffer<ffi::F32> grads,
                      ffi::Buffer<ffi::F32> learning_rate, ffi::Buffer<ffi::S32> table_starts,
                      ffi::Buffer<ffi::S32> table_dims, ffi::Buffer<ffi::F32> table_in,
                      ffi::ResultBuffer<ffi::F32> table, int64_t runs, int64_t rows_per_partition,
                      float epsilon) {
   CopyUnlessAliased(table_in, table);
-  return Apply<Rule::kSgd>(received, grads, learning_rate, table_starts, table_dims,
+  return Apply<Rule::kSgd>(pool, received, grads, learning_rate, table_starts, table_dims,
                            table->typed_data(), table->dimensions()[0], table->dimensions()[1],
                            nullptr, runs, rows_per_partition, epsilon);
 }
 
 template <Rule rule>
-ffi::Error UpdateWithSlot(ffi::Buffer<ffi::S32> received, ffi::Buffer<ffi::F32> grads,
+ffi::Error UpdateWithSlot(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> received, ffi::Buffer<ffi::F32> grads,
                           ffi::Buffer<ffi::F32> learning_rate, ffi::Buffer<ffi::S32> table_starts,
                           ffi::Buffer<ffi::S32> table_dims, ffi::Buffer<ffi::F32> table_in,
                           ffi::Buffer<ffi::F32> slot_in, ffi::ResultBuffer<ffi::F32> table,
@@ -292,7 +402,7 @@ ffi::Error UpdateWithSlot(ffi::Buffer<ffi::S32> received, ffi::Buffer<ffi::F32> 
                           int64_t rows_per_partition, float epsilon) {
   CopyUnlessAliased(table_in, table);
   CopyUnlessAliased(slot_in, slot);
-  return Apply<rule>(received, grads, learning_rate, table_starts, table_dims,
+  return Apply<rule>(pool, received, grads, learning_rate, table_starts, table_dims,
                      table->typed_data(), table->dimensions()[0], table->dimensions()[1],
                      slot->typed_data(), runs, rows_per_partition, epsilon);
 }
@@ -325,6 +435,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfRoute, Route,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfGatherRows, GatherRows,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -339,6 +450,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPool, Pool,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPoolTranspose, PoolTranspose,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -347,6 +459,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPoolTranspose, PoolTranspose,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfUpdateSgd, UpdateSgd,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -361,6 +474,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfUpdateSgd, UpdateSgd,
 #define SF_UPDATE_WITH_SLOT_HANDLER(name, rule)                              \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, UpdateWithSlot<rule>,                  \
                                 ffi::Ffi::Bind()                             \
+                                    .Ctx<ffi::ThreadPool>()                  \
                                     .Arg<ffi::Buffer<ffi::S32>>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()            \

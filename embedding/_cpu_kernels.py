@@ -61,7 +61,7 @@ _UPDATE_TARGETS = {
     AdagradOptimizerSpec: "sparseflow_update_adagrad",
     RowWiseAdagradOptimizerSpec: "sparseflow_update_rowwise_adagrad",
 }
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 
 def _library_name() -> str:
@@ -103,6 +103,9 @@ def build() -> Path:
             raise RuntimeError(f"building the CPU kernels failed:\n{result.stderr}")
         # Renaming into place is atomic: concurrent builds never load a half file.
         os.replace(temporary, folder / name)
+        for stale in folder.glob("_cpu_kernels-*.so"):
+            if stale.name != name:
+                stale.unlink(missing_ok=True)  # built here from an earlier source
         return folder / name
     raise RuntimeError(f"no writable folder for the CPU kernels among {_build_folders()}")
 

@@ -1,23 +1,26 @@
 """The sharded backward pass and optimizer update, `apply_gradients`.
 
-Per stacked table, inside `jax.shard_map`, every device:
-1. routes its layout as the forward does (`_lookup.route`);
-2. turns the activation gradients into one gradient per entry (gain times
-   the sample's gradient) and sums them per distinct row of each slot;
-3. sends each owner its rows' gradients (all-to-all, the forward's path in
-   reverse);
-4. as owner, merges the gradients one row got from several slots and devices:
-   a scatter-min of positions into an `int32` buffer of the shard's rows
-   names one representative per row, and the gradients are summed into it;
-5. gathers the representatives' rows and slots, applies the optimizer
-   (`_optimizer_updates`) and scatters them back. Only rows with an entry in
-   the batch are written; every other row and slot keeps its bits.
+Inside `jax.shard_map`, every device, for all stacked tables at once:
+1. routes its layout as the forward does (`_routing`);
+2. sums the activation gradients per distinct row of each slot (gain times
+   the gradient of each of the row's samples);
+3. sends each owner its rows and their gradients (the forward's path in
+   reverse, one grouped all-to-all for the rows and one for the gradients);
+4. as owner, merges the gradients one row got from several slots and
+   devices and applies the optimizer once per row. On CPU a kernel merges
+   the sorted runs it received and updates SGD, Adagrad and row-wise Adagrad
+   rows in place (`_cpu_kernels`); otherwise a scatter-min of positions into
+   an `int32` buffer of the shard's rows names one representative per row,
+   the gradients are summed into it, and the representatives' rows and
+   slots are gathered, updated (`_optimizer_updates`) and scattered back.
+   Only rows with an entry in the batch are written; every other row and
+   slot keeps its bits.
 
-A minibatched input repeats 1-5 per minibatch, in order.
+A minibatched input repeats 1-4 per minibatch, in order.
 
 The tables and slots are donated, so the update happens in place: the
-scatters write into the buffers the gathers read, ordered by the data
-dependency between them, and the compiled program holds no copy of a table.
+kernel's outputs alias its inputs, the scatters write into the buffers the
+gathers read, and the compiled program holds no copy of a table.
 """
 
 from __future__ import annotations
@@ -31,19 +34,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from embedding import _cpu_kernels
-from embedding._lookup import (
-    Entries,
-    LayoutArrays,
-    LayoutIndex,
-    StackGeometry,
-    decode,
-    exchange,
-    over_minibatches,
-    prepare_call,
-    route,
-)
 from embedding._optimizer_updates import apply_optimizer
 from embedding._preprocess import PreprocessedInput
+from embedding._routing import (
+    exchange_group,
+    over_minibatches,
+    plan_minibatch,
+    read_layout,
+    row_gradients,
+)
+from embedding._stack_geometry import LayoutArrays, LayoutIndex, StackGeometry, prepare_call
 from embedding._stacking import Nested
 from embedding._variables import EmbeddingVariables, mesh_axis
 
@@ -81,13 +81,6 @@ def _sample_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Arr
         for grad, f in zip(grads, g.features, strict=True)
     ]
     return jnp.concatenate(blocks, axis=1)
-
-
-def _entry_gradients(sample_grads: jax.Array, entries: Entries, g: StackGeometry) -> jax.Array:
-    """`float32[S, C, D]`: gain times the sample's gradient, for every entry."""
-    slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
-    entry_grads = sample_grads.at[slot, entries.samples].get(mode="fill", fill_value=0)
-    return entry_grads * entries.gains[..., None]
 
 
 def _owner_update(
@@ -134,95 +127,60 @@ def _owner_update(
     )
 
 
-def _update_minibatch(
-    entries: Entries,
-    entry_grads: jax.Array,
-    variables: EmbeddingVariables,
-    learning_rate: jax.Array,
+def update_stacks(
+    layouts: tuple[LayoutArrays, ...],
+    grads: tuple[tuple[jax.Array, ...], ...],
+    variables: tuple[EmbeddingVariables, ...],
+    learning_rates: tuple[jax.Array, ...],
     step: jax.Array,
-    g: StackGeometry,
-    axis: str,
-    minibatch: Any,
-) -> EmbeddingVariables:
-    routing = route(entries, g, minibatch)
-    slot = jnp.arange(g.slots, dtype=jnp.int32)[:, None]
-    unique_grads = jnp.zeros((g.slots, g.devices, g.uniques, g.dim), jnp.float32)
-    unique_grads = unique_grads.at[slot, routing.dest, routing.unique].add(entry_grads, mode="drop")
-    rows = exchange(routing.send_rows, axis).reshape(-1)
-    received = exchange(unique_grads, axis).reshape(-1, g.dim)
-    return _owner_update(rows, received, variables, learning_rate, step, g, kernels=False)
-
-
-def _update_minibatch_in_kernels(
-    layout: LayoutArrays,
-    sample_grads: jax.Array,
-    variables: EmbeddingVariables,
-    learning_rate: jax.Array,
-    step: jax.Array,
-    g: StackGeometry,
-    axis: str,
-    minibatch: Any,
-) -> EmbeddingVariables:
-    """`_update_minibatch` with the CPU kernels (`_cpu_kernels`)."""
-    send_rows, entry_index = _cpu_kernels.route(
-        layout.row_pointers, layout.embedding_ids, minibatch, g
-    )
-    unique_grads = _cpu_kernels.pool_transpose(
-        entry_index, layout.sample_ids, layout.gains, sample_grads, g.slots * g.devices * g.uniques
-    )
-    rows = exchange(send_rows, axis).reshape(-1)
-    received = exchange(unique_grads.reshape(g.slots, g.devices, g.uniques, g.dim), axis)
-    return _owner_update(
-        rows, received.reshape(-1, g.dim), variables, learning_rate, step, g, kernels=True
-    )
-
-
-def update_stack(
-    layout: LayoutArrays,
-    grads: tuple[jax.Array, ...],
-    variables: EmbeddingVariables,
-    learning_rate: jax.Array,
-    step: jax.Array,
-    segment: jax.Array | None,
+    segments: jax.Array | None,
     *,
-    geometry: StackGeometry,
+    geometries: tuple[StackGeometry, ...],
     axis: str,
-    kernels: bool = False,
-) -> EmbeddingVariables:
-    """One device's part of one stack's update (inside `shard_map`).
+    kernels: bool,
+) -> tuple[EmbeddingVariables, ...]:
+    """One device's part of the update of every stack (inside `shard_map`).
 
     Args:
-      layout: this device's layout arrays.
-      grads: per feature of the stack, `float32[S * samples_per_slot, dim]`.
-      variables: this device's shards, `float32[S * R, D]` each.
-      learning_rate: scalar.
+      layouts: per stack, this device's layout arrays.
+      grads: per stack, per feature, `float32[S * samples_per_slot, dim]`.
+      variables: per stack, this device's shards, `float32[S * R, D]` each.
+      learning_rates: per stack, a scalar.
       step: scalar int32.
-      segment: the layout's `int32[S, C]` segments from the forward
-        (`find_segments`), or None to find them here.
-      geometry: the stack's geometry.
+      segments: the layout's segments from the forward, `int32[S, sum of C]`
+        (`LayoutIndex`), or None to find them here.
+      geometries: the stacks' geometries.
       axis: the mesh axis.
-      kernels: use the CPU kernels (`_cpu_kernels`); the segments are then
-        not needed.
+      kernels: use the CPU kernels (`_cpu_kernels`).
 
     Returns:
-      The updated shards.
+      The updated shards, per stack.
     """
-    g = geometry
-    sample_grads = _sample_gradients(grads, g)
-    if kernels:
+    stacks, start = [], 0
+    for layout, g in zip(layouts, geometries):
+        segment = None if segments is None else segments[:, start : start + g.capacity]
+        start += g.capacity
+        stacks.append(read_layout(layout, g, kernels, segment))
+    sample_grads = [_sample_gradients(stack_grads, g) for stack_grads, g in zip(grads, geometries)]
 
-        def update_minibatch(k, current):
-            return _update_minibatch_in_kernels(
-                layout, sample_grads, current, learning_rate, step, g, axis, k
-            )
-    else:
-        entries = decode(layout, g, segment)
-        entry_grads = _entry_gradients(sample_grads, entries, g)
+    def update_minibatch(k, current):
+        plans = [plan_minibatch(stack, g, k) for stack, g in zip(stacks, geometries)]
+        rows = exchange_group([p.send_rows for p in plans], axis)
+        received = exchange_group(
+            [
+                row_gradients(stack, p, sample, g)
+                for stack, p, sample, g in zip(stacks, plans, sample_grads, geometries)
+            ],
+            axis,
+        )
+        return tuple(
+            _owner_update(owned.reshape(-1), got.reshape(-1, g.dim), v, lr, step, g, kernels)
+            for owned, got, v, lr, g in zip(rows, received, current, learning_rates, geometries)
+        )
 
-        def update_minibatch(k, current):
-            return _update_minibatch(entries, entry_grads, current, learning_rate, step, g, axis, k)
-
-    return over_minibatches(g, layout.num_minibatches, update_minibatch, variables)
+    return over_minibatches(
+        geometries[0], layouts[0].num_minibatches, update_minibatch, tuple(variables)
+    )
 
 
 @functools.partial(
@@ -242,26 +200,24 @@ def _apply(
     axis = mesh_axis(mesh)
     spec, replicated = PartitionSpec(axis), PartitionSpec()
     step = jnp.asarray(step, jnp.int32)
-    updated, start = {}, 0
-    for g in geometries:
-        learning_rate = jnp.asarray(g.optimizer.get_learning_rate(step), jnp.float32)
-        segment = None if index is None else index.segments[:, start : start + g.capacity]
-        start += g.capacity
-        update = jax.shard_map(
-            functools.partial(update_stack, geometry=g, axis=axis, kernels=kernels),
-            mesh=mesh,
-            in_specs=(spec, spec, spec, replicated, replicated, spec),
-            out_specs=spec,
-        )
-        updated[g.name] = update(
-            layout[g.name],
-            tuple(grads[f.index] for f in g.features),
-            variables[g.name],
-            learning_rate,
-            step,
-            segment,
-        )
-    return updated
+    learning_rates = tuple(
+        jnp.asarray(g.optimizer.get_learning_rate(step), jnp.float32) for g in geometries
+    )
+    update = jax.shard_map(
+        functools.partial(update_stacks, geometries=geometries, axis=axis, kernels=kernels),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, replicated, replicated, spec),
+        out_specs=spec,
+    )
+    updated = update(
+        tuple(layout[g.name] for g in geometries),
+        tuple(tuple(grads[f.index] for f in g.features) for g in geometries),
+        tuple(variables[g.name] for g in geometries),
+        learning_rates,
+        step,
+        None if index is None else index.segments,
+    )
+    return {g.name: v for g, v in zip(geometries, updated)}
 
 
 def _checked_index(index: Any, call) -> LayoutIndex | None:
