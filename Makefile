@@ -3,6 +3,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The lookup's CPU kernels (embedding/_cpu_kernels.cc), built with the
+# machine's g++ against the installed jaxlib's FFI headers.
+KERNELS := $(VENV)/.kernels
 TORCHREC_VENV := .venv-torchrec
 TORCHREC_STAMP := $(TORCHREC_VENV)/.installed
 
@@ -14,10 +17,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(KERNELS): $(STAMP) embedding/_cpu_kernels.cc
+	$(PY) -c "from embedding import _cpu_kernels; print(_cpu_kernels.build())"
+	touch $(KERNELS)
+
+demo: $(KERNELS)
 	$(VENV)/bin/sparseflow demo
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(PY) -m pytest -q
 
 # The benchmark peers (jax-tpu-embedding) go into the same .venv on demand.
@@ -38,4 +45,4 @@ $(TORCHREC_STAMP):
 bench-torchrec: $(TORCHREC_STAMP)
 
 clean:
-	rm -rf $(VENV) $(TORCHREC_VENV) runs
+	rm -rf $(VENV) $(TORCHREC_VENV) runs embedding/_cpu_kernels-*.so

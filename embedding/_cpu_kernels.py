@@ -84,9 +84,12 @@ def build() -> Path:
     for folder in _build_folders():
         if (folder / name).exists():
             return folder / name
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    named = os.environ.get("CXX")
+    compiler = shutil.which(named) if named else shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        raise RuntimeError("no C++ compiler (g++ or $CXX) to build the CPU kernels")
+        raise RuntimeError(
+            f"no C++ compiler ({named!r} from $CXX)" if named else "no C++ compiler (g++, c++)"
+        )
     for folder in _build_folders():
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -311,7 +314,3 @@ def apply_update(
         epsilon=np.float32(getattr(optimizer, "epsilon", 0.0)),
     )
     return outputs[0], type(slots)(*outputs[1:])
-
-
-if __name__ == "__main__":
-    print(build())
