@@ -194,28 +194,39 @@ ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table,
   return ffi::Error::Success();
 }
 
-// pooled float32[S, P, D]: per sample, the sum of gain * row over its entries.
-ffi::Error Pool(ffi::Buffer<ffi::S32> entry_index, ffi::Buffer<ffi::S32> samples,
-                ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> rows,
-                ffi::ResultBuffer<ffi::F32> pooled) {
+// pooled float32[S, P, D]: per sample, the sum of gain * row over its
+// entries. Entries are sorted by row, not by sample, so chunks of entries
+// add into chunk-private sums that are then added up in chunk order.
+ffi::Error Pool(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index,
+                ffi::Buffer<ffi::S32> samples, ffi::Buffer<ffi::F32> gains,
+                ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> pooled) {
   const int64_t slots = pooled->dimensions()[0];
   const int64_t num_samples = pooled->dimensions()[1];
   const int64_t dim = pooled->dimensions()[2];
   const int64_t capacity = entry_index.element_count() / slots;
   const int64_t num_rows = rows.dimensions()[0];
+  const int64_t n = slots * capacity;
+  const int64_t size = slots * num_samples * dim;
+  const int64_t chunks = ChunksFor(n);
   float* out = pooled->typed_data();
-  std::fill(out, out + slots * num_samples * dim, 0.0f);
-  for (int64_t s = 0; s < slots; ++s) {
-    for (int64_t i = 0; i < capacity; ++i) {
-      const int64_t e = s * capacity + i;
+  std::vector<float> partial(static_cast<size_t>((chunks - 1) * size));
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    float* sums = c == 0 ? out : partial.data() + (c - 1) * size;
+    std::fill(sums, sums + size, 0.0f);
+    auto [begin, end] = ChunkOf(c, n, chunks);
+    for (int64_t e = begin; e < end; ++e) {
       const int64_t u = entry_index.typed_data()[e];
       const int64_t sample = samples.typed_data()[e];
       if (u < 0 || u >= num_rows || sample < 0 || sample >= num_samples) continue;
       const float gain = gains.typed_data()[e];
       const float* row = rows.typed_data() + u * dim;
-      float* target = out + (s * num_samples + sample) * dim;
+      float* target = sums + ((e / capacity) * num_samples + sample) * dim;
       for (int64_t d = 0; d < dim; ++d) target[d] += gain * row[d];
     }
+  });
+  for (int64_t c = 1; c < chunks; ++c) {
+    const float* sums = partial.data() + (c - 1) * size;
+    for (int64_t k = 0; k < size; ++k) out[k] += sums[k];
   }
   return ffi::Error::Success();
 }
@@ -442,6 +453,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfGatherRows, GatherRows,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPool, Pool,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
