@@ -24,6 +24,7 @@ from embedding._fdo import (
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError, aligned_empty
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
+from embedding._minibatch import AllReduceInterface
 from embedding._optimizers import (
     AdagradOptimizerSpec,
     AdamOptimizerSpec,
@@ -64,6 +65,7 @@ from embedding._variables import (
 __all__ = [
     "AdagradOptimizerSpec",
     "AdamOptimizerSpec",
+    "AllReduceInterface",
     "Combiner",
     "EmbeddingVariables",
     "FTRLOptimizerSpec",

@@ -1,23 +1,16 @@
-"""Interfaces shared by the node, its interface object and the lazy wrapper."""
+"""Interfaces shared by the node, its interface object and the lazy wrapper.
+
+`AllReduceInterface` is defined where the preprocessing calls it
+(`embedding`, which imports nothing from `parallel`) and re-exported here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
+from embedding import AllReduceInterface
 
-class AllReduceInterface(Protocol):
-    """Cross-host OR agreement, as the preprocessing calls it.
-
-    Every host (and each of its K local contributors) calls a method with the
-    same key for the same round; every call returns the OR over all of them.
-    The preprocessing uses key `2 * batch` for the minibatching flag and
-    `2 * batch + 1` for the split mask.
-    """
-
-    def all_reduce_bool(self, sync_key: int, value: bool) -> bool: ...
-
-    def all_reduce_uint64(self, sync_key: int, value: int) -> int: ...
+__all__ = ["AllReduceInterface", "AllReduceStats"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
