@@ -23,7 +23,13 @@ class AllReduceStats:
       pending: keys started and not finished yet.
       late_ignored: peer messages for keys already finished (ignored).
       duplicates_ignored: repeated peer messages for a pending key (ignored).
-      rejected: peer messages answered with INVALID_ARGUMENT.
+      rejected: peer messages answered with INVALID_ARGUMENT (malformed, the
+        other value kind, or a new key out of bounds).
+      auth_failed: peer messages dropped because their HMAC, certificate or
+        stream did not match the rank they claimed; never recorded.
+      expired: keys only peers had started, forgotten after the deadline.
+      streams_ended: peer streams the server ended (replaced by the rank's
+        newer stream, or unidentified and pushed out by a newer one).
       send_failures: sends to a peer that finally failed.
     """
 
@@ -33,4 +39,7 @@ class AllReduceStats:
     late_ignored: int
     duplicates_ignored: int
     rejected: int
+    auth_failed: int
+    expired: int
+    streams_ended: int
     send_failures: int

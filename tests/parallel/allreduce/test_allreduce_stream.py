@@ -5,10 +5,9 @@ import time
 
 import grpc
 import pytest
+import recording
 
 from parallel.allreduce import allreduce_pb2 as pb
-from parallel.allreduce import bind_server
-from parallel.allreduce._servicer import AllReduceServicer
 from parallel.allreduce._stream import PeerStream
 
 RECEIVE_TIMEOUT_S = 30
@@ -17,9 +16,7 @@ RECEIVE_TIMEOUT_S = 30
 def recording_server(port=0):
     """A server that accepts every message and records it, and its record."""
     received = queue.Queue()
-    server = bind_server(port, host="127.0.0.1")
-    server.start(AllReduceServicer(received.put), peers=1)
-    return server, received
+    return recording.serve(received.put, port), received
 
 
 def keys(received, count):
@@ -78,8 +75,7 @@ def test_a_rejected_value_is_reported_and_the_stream_goes_on(peer):
             raise ValueError("key 5 is bad")
         received.put(message)
 
-    server = bind_server(servers[0].port, host="127.0.0.1")
-    server.start(AllReduceServicer(receive), peers=1)
+    server = recording.serve(receive, servers[0].port)
     servers.append(server)
     far = time.monotonic() + 60
     for key in (4, 5, 6):
