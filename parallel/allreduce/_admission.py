@@ -74,7 +74,10 @@ class StreamRegistry:
                     self._ended += 1
             else:
                 pushed_out = self._claim_locked(slot, rank)
-        self._end(pushed_out, "too many unidentified streams" if rank is None else "replaced")
+        if rank is None:
+            self._end(pushed_out, "pushed out by a newer unidentified stream", logging.DEBUG)
+        else:
+            self._end(pushed_out, "replaced by the rank's newer stream", logging.INFO)
         return slot
 
     def identify(self, slot: PeerStreamSlot, rank: int) -> None:
@@ -84,7 +87,7 @@ class StreamRegistry:
                 return  # pushed out meanwhile: it ends, and must not displace a live one
             del self._unidentified[slot]
             replaced = self._claim_locked(slot, rank)
-        self._end(replaced, "replaced")
+        self._end(replaced, "replaced by the rank's newer stream", logging.INFO)
 
     def close(self, slot: PeerStreamSlot) -> None:
         """Forgets a stream that ended."""
@@ -102,8 +105,10 @@ class StreamRegistry:
         return older
 
     @staticmethod
-    def _end(slot: PeerStreamSlot | None, why: str) -> None:
+    def _end(slot: PeerStreamSlot | None, why: str, level: int) -> None:
+        # Push-outs are what a flood of streams causes: logged below INFO so
+        # that a stranger cannot flood the log too; `ended` counts them.
         if slot is None:
             return
-        _log.info("all-reduce: ending a stream (rank %s): %s", slot.rank, why)
+        _log.log(level, "all-reduce: ending a stream (rank %s): %s", slot.rank, why)
         slot.cancel()

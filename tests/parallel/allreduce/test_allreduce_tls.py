@@ -106,3 +106,12 @@ def test_a_server_bound_without_tls_is_refused_for_a_tls_node(tls_dir):
         AllReduceNode(
             0, ["127.0.0.1:0", "127.0.0.1:1"], server, security=AllReduceSecurity(tls_dir=tls_dir)
         )
+
+
+def test_a_certificate_naming_no_rank_is_refused(make_group, tmp_path):
+    names = ["allreduce-rank-0", "allreduce-rank-1", "host-x"]  # one CA signs all three
+    tls_dir = certificates.write_tls_dir(tmp_path / "tls", 3, names=names)
+    node = make_group(2, security=AllReduceSecurity(tls_dir=tls_dir))[0]
+    code = contribute_as(node, tls_dir, 2, sync_key=1, src_rank=1, bool_val=True)
+    assert code is grpc.StatusCode.UNAUTHENTICATED
+    assert node.stats().pending == 0
