@@ -5,12 +5,14 @@ Flow of one key on host i of N, with K local contributors:
      ORed into the host's value L_i;
   2. the K-th contribution queues L_i on the stream to every peer (one
      long-lived `ContributeStream` per peer, see `_stream.py`) and returns;
-  3. the server ORs each peer's L_j into the key as it arrives;
+  3. the server checks each peer's L_j (the rank of its certificate or
+     stream, its HMAC; see `AllReduceSecurity`) and ORs it into the key;
   4. `get_result` returns once K local and N-1 peer values are in.
 
 Locks: `_close_lock` (only in `close`, released before anything else is
-taken), the table's lock and each peer stream's lock; no two are ever held at
-once, so there is no order to violate. No lock is held while a gRPC call is started,
+taken), the table's lock, each peer stream's lock, the stream registry's and
+the auth warning's; no two are ever held at once, so there is no order to
+violate. No lock is held while a gRPC call is started,
 and a waiter blocks on its key's condition, which releases the table's lock.
 """
 
@@ -113,15 +115,7 @@ class AllReduceNode:
                 key_window=key_window,
                 security=security,
             )
-            multi_host = self._config.world_size > 1
-            credentials = security.load(rank) if security and multi_host else _INSECURE
-            if bound is not None and multi_host and bound.secure != (credentials.tls is not None):
-                raise ValueError(
-                    f"The server passed for rank {rank} was bound "
-                    f"{'with' if bound.secure else 'without'} TLS credentials, but the "
-                    f"security is {security}; bind it with "
-                    "credentials=security.server_credentials(rank) exactly when tls_dir is set."
-                )
+            credentials = _load_credentials(self._config, bound)
         except (TypeError, ValueError):
             if bound is not None:
                 bound.stop(0)  # the node owns a server passed to it, even on failure
@@ -142,7 +136,7 @@ class AllReduceNode:
         self._server: BoundServer | None = None
         self._streams: StreamRegistry | None = None
         self._sender: PeerSender | None = None
-        if multi_host:
+        if self._config.world_size > 1:
             self._connect(bound)
         elif bound is not None:
             bound.stop(0)
@@ -344,6 +338,26 @@ class AllReduceNode:
 
         if not self._table.fail(sync_key, error):
             _log.error("all-reduce: %s (the key had already finished here)", message)
+
+
+def _load_credentials(config: AllReduceConfig, bound: BoundServer | None) -> PeerCredentials:
+    """The node's TLS files and authenticator; a single host needs none.
+
+    Raises:
+      ValueError: a file is missing or bad, or `bound` was bound with TLS
+        credentials when the security has no `tls_dir`, or the reverse.
+    """
+    if config.security is None or config.world_size == 1:
+        return _INSECURE
+    credentials = config.security.load(config.rank)
+    if bound is not None and bound.secure != (credentials.tls is not None):
+        raise ValueError(
+            f"The server passed for rank {config.rank} was bound "
+            f"{'with' if bound.secure else 'without'} TLS credentials, but the security is "
+            f"{config.security}; bind it with credentials=security.server_credentials(rank) "
+            "exactly when tls_dir is set."
+        )
+    return credentials
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
