@@ -8,6 +8,9 @@ import pytest
 import recording
 
 from parallel.allreduce import allreduce_pb2 as pb
+from parallel.allreduce import bind_server
+from parallel.allreduce._admission import StreamRegistry
+from parallel.allreduce._servicer import AllReduceServicer
 from parallel.allreduce._stream import PeerStream
 
 RECEIVE_TIMEOUT_S = 30
@@ -108,3 +111,39 @@ def test_close_delivers_what_was_queued_to_a_peer_that_starts_late():
         finally:
             server.stop(0)
     assert stream.failures == 0 and rejected == []
+
+
+class CountingServicer(AllReduceServicer):
+    """Records every message and counts the streams opened to it."""
+
+    def __init__(self):
+        self.received = queue.Queue()
+        self.streams = 0
+
+        def receive(message, expected_rank):
+            self.received.put(message)
+            return message.src_rank
+
+        super().__init__(receive, streams=StreamRegistry(4))
+
+    def ContributeStream(self, request_iterator, context):  # noqa: N802 - the RPC's name
+        self.streams += 1
+        yield from super().ContributeStream(request_iterator, context)
+
+
+def test_a_stream_with_nothing_to_resend_reopens_on_the_next_send(peer):
+    stream, servers, received, rejected = peer
+    stream.send(message(1), time.monotonic() + 0.3)
+    assert keys(received, 1) == [1]
+    time.sleep(0.4)  # key 1 expires unacknowledged: nothing is left to resend
+    port = servers[0].port
+    servers[0].stop(0)  # the stream breaks
+    servicer = CountingServicer()
+    server = bind_server(port, host="127.0.0.1")
+    server.start(servicer, peers=1)
+    servers.append(server)
+    time.sleep(1.5)  # longer than the sender's longest backoff
+    assert servicer.streams == 0  # an empty stream would sit unidentified at the peer
+    stream.send(message(2), time.monotonic() + 60)
+    assert servicer.received.get(timeout=RECEIVE_TIMEOUT_S).sync_key == 2
+    assert servicer.streams == 1 and stream.failures == 1 and rejected == []
