@@ -11,7 +11,13 @@ them together and collects one JSON line from each.
     hosts x CPU per round exceeds the cores, the round waits for CPU);
   * soak: 4 hosts x 4 threads over `--soak-keys` keys; rounds/s, and every
     thread's result checked against the OR of all inputs computed here
-    (lost = keys a thread never got, mismatched = keys with a wrong result).
+    (lost = keys a thread never got, mismatched = keys with a wrong result);
+  * security: 4-host latency insecure, with the HMAC of a shared secret and
+    with mutual TLS (`hmac_overhead_ratio`, `tls_overhead_ratio`: p50 over
+    the insecure p50), then `--hostile-rounds` rounds of 4 hosts with HMAC
+    and with TLS while a stranger (`_hostile.py`) holds 64 idle streams to
+    host 0 and floods every host with forged values: lost and wrong rounds,
+    p50/p99, the hosts' RSS growth and what their nodes dropped.
 
 The peer, jax-tpu-embedding (optional extra `bench`), exposes its gRPC
 all-reduce only inside its preprocessing, so one of its rounds is one
@@ -28,12 +34,14 @@ starts its rounds only once all servers are up.
 
 The last line printed is one JSON object.
 
-    python benchmarks/allreduce.py [--rounds 400] [--soak-keys 10000]
+    python benchmarks/allreduce.py [--rounds 400] [--soak-keys 10000] [--hostile-rounds 1000]
+    python benchmarks/allreduce.py --security-only --rounds 50 --hostile-rounds 50  # a quick check
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -45,10 +53,12 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+from _hostile import Stranger, write_secret, write_tls_dir
 
-from parallel.allreduce import AllReduceNode
+from parallel.allreduce import AllReduceNode, AllReduceSecurity
 
 LATENCY_HOSTS = (2, 4, 8)
 SOAK_HOSTS, SOAK_THREADS = 4, 4
@@ -64,6 +74,10 @@ PEER_BREACH_PROBABILITY = 0.05
 # calls per host the shared machine refuses new threads and the hosts crash,
 # so its soak stops earlier.
 PEER_SOAK_MAX_BATCHES = 2_000
+SECURITY_HOSTS = 4
+SECURITY_MODES = ("insecure", "hmac", "tls")
+# The stranger stops by itself after this long, should the hosts hang.
+HOSTILE_MAX_S = 600.0
 
 
 def values(seed: int, rank: int, thread: int, num_keys: int) -> list[bool | int]:
@@ -92,10 +106,26 @@ def free_ports(count: int) -> list[int]:
 # ---------------------------------------------------------------- children
 
 
+def child_security(args: argparse.Namespace) -> AllReduceSecurity | None:
+    directory = Path(args.security_dir or ".")
+    if args.security == "hmac":
+        return AllReduceSecurity(secret_file=directory / "secret", run_id="benchmark")
+    if args.security == "tls":
+        return AllReduceSecurity(tls_dir=directory / "tls", run_id="benchmark")
+    return None
+
+
 def child_ours(args: argparse.Namespace) -> dict:
     peers = args.peers.split(",")
-    node = AllReduceNode(args.rank, peers, local_contributors=args.threads, deadline_s=DEADLINE_S)
+    node = AllReduceNode(
+        args.rank,
+        peers,
+        local_contributors=args.threads,
+        deadline_s=DEADLINE_S,
+        security=child_security(args),
+    )
     ready_and_wait()
+    rss = rss_mb()
     inputs = [values(args.seed, args.rank, t, args.keys) for t in range(args.threads)]
     out: list[dict] = [{} for _ in range(args.threads)]
     start, cpu = time.perf_counter(), time.process_time()
@@ -109,8 +139,17 @@ def child_ours(args: argparse.Namespace) -> dict:
         worker.join()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     os_threads = os_thread_count()
+    rss_growth = rss_mb() - rss
+    stats = dataclasses.asdict(node.stats())
     node.close()
-    return {"elapsed_s": elapsed, "cpu_s": cpu, "os_threads": os_threads, "threads": out}
+    return {
+        "elapsed_s": elapsed,
+        "cpu_s": cpu,
+        "os_threads": os_threads,
+        "rss_growth_mb": rss_growth,
+        "stats": stats,
+        "threads": out,
+    }
 
 
 def _ours_thread(node: AllReduceNode, inputs: list, out: dict) -> None:
@@ -210,6 +249,13 @@ def os_thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def rss_mb() -> float:
+    """The resident memory of this process, in MiB."""
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
 def ready_and_wait() -> None:
     print(json.dumps({"ready": True}), flush=True)
     sys.stdin.readline()
@@ -218,9 +264,25 @@ def ready_and_wait() -> None:
 # ------------------------------------------------------------------ parent
 
 
-def run_group(kind: str, world: int, threads: int, keys: int, mode: str, seed: int) -> list[dict]:
-    """Starts `world` hosts of `kind`, starts them together, returns their outputs."""
-    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(world))
+def run_group(
+    kind: str,
+    world: int,
+    threads: int,
+    keys: int,
+    mode: str,
+    seed: int,
+    *,
+    security: str = "insecure",
+    security_dir: Path | None = None,
+    stranger: dict | None = None,
+) -> list[dict]:
+    """Starts `world` hosts of `kind`, starts them together, returns their outputs.
+
+    With `stranger` (a dict), a `Stranger` floods the hosts from the start
+    of the rounds until they end; `stranger["forged"]` is set to what it sent.
+    """
+    ports = free_ports(world)
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
     processes = [
         subprocess.Popen(
@@ -234,6 +296,8 @@ def run_group(kind: str, world: int, threads: int, keys: int, mode: str, seed: i
                 f"--keys={keys}",
                 f"--mode={mode}",
                 f"--seed={seed}",
+                f"--security={security}",
+                f"--security-dir={security_dir or ''}",
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -245,9 +309,13 @@ def run_group(kind: str, world: int, threads: int, keys: int, mode: str, seed: i
     lines = [queue.Queue() for _ in processes]
     for process, q in zip(processes, lines):
         threading.Thread(target=_forward, args=(process, q), daemon=True).start()
+    flood = None
     try:
         for rank in range(world):
             _expect(lines[rank], rank, "ready")
+        if stranger is not None:
+            flood = Stranger(ports, keys, seed, HOSTILE_MAX_S)
+            flood.start()
         for process in processes:
             process.stdin.write("go\n")
             process.stdin.flush()
@@ -256,6 +324,8 @@ def run_group(kind: str, world: int, threads: int, keys: int, mode: str, seed: i
         time.sleep(2)  # lets the other hosts react to the failure before the report
         raise RuntimeError(f"{kind} hosts failed ({e}): {_report(processes, logs)}") from e
     finally:
+        if flood is not None:
+            stranger["forged"] = flood.stop()
         for process, log in zip(processes, logs):
             if process.poll() is None:
                 process.kill()
@@ -315,6 +385,79 @@ def latency_peer(world: int, rounds: int, seed: int) -> tuple[dict, float]:
     cpu = cpu_ms_per_round(outputs, WARMUP_ROUNDS + rounds)
     figures = {**percentiles_ms(times), "cpu_ms_per_round_per_host": cpu}
     return figures, statistics.median(baseline) * 1e3
+
+
+def security_latency(modes: tuple[str, ...], rounds: int, seed: int, directory: Path) -> dict:
+    """4-host p50/p99 per security mode, and each mode's p50 over the insecure one."""
+    result = {}
+    for mode in modes:
+        outputs = run_group(
+            "ours",
+            SECURITY_HOSTS,
+            1,
+            WARMUP_ROUNDS + rounds,
+            "latency",
+            seed,
+            security=mode,
+            security_dir=directory,
+        )
+        times = [t for out in outputs for t in out["threads"][0]["times"][WARMUP_ROUNDS:]]
+        for name, value in percentiles_ms(times).items():
+            result[f"{SECURITY_HOSTS}_hosts_{mode}_{name}"] = value
+    insecure = result[f"{SECURITY_HOSTS}_hosts_insecure_p50_ms"]
+    for mode in modes[1:]:
+        ratio = result[f"{SECURITY_HOSTS}_hosts_{mode}_p50_ms"] / insecure
+        result[f"{mode}_overhead_ratio"] = round(ratio, 3)
+    return result
+
+
+def hostile(mode: str, rounds: int, seed: int, directory: Path) -> dict:
+    """`rounds` rounds of 4 hosts secured by `mode` while a stranger floods them."""
+    keys = WARMUP_ROUNDS + rounds
+    stranger: dict = {}
+    outputs = run_group(
+        "ours",
+        SECURITY_HOSTS,
+        1,
+        keys,
+        "latency",
+        seed,
+        security=mode,
+        security_dir=directory,
+        stranger=stranger,
+    )
+    inputs = [values(seed, rank, 0, keys) for rank in range(SECURITY_HOSTS)]
+    expected = [functools.reduce(lambda a, b: a | b, column) for column in zip(*inputs)]
+    threads = [out["threads"][0] for out in outputs]
+    lost = sum(keys - len(thread["results"]) for thread in threads)
+    wrong = sum(a != b for t in threads for a, b in zip(t["results"], expected))
+    times = [t for thread in threads for t in thread["times"][WARMUP_ROUNDS:]]
+    prefix = f"hostile_{mode}"
+    return {
+        **{f"{prefix}_{name}": value for name, value in percentiles_ms(times).items()},
+        f"{prefix}_lost_rounds": lost,
+        f"{prefix}_wrong_rounds": wrong,
+        f"{prefix}_forged_messages": stranger.get("forged", 0),
+        f"{prefix}_max_rss_growth_mb": round(max(o["rss_growth_mb"] for o in outputs), 1),
+        f"{prefix}_auth_failed": sum(o["stats"]["auth_failed"] for o in outputs),
+        f"{prefix}_streams_ended": sum(o["stats"]["streams_ended"] for o in outputs),
+        **({f"{prefix}_errors": [t["error"] for t in threads if "error" in t][:3]}
+           if any("error" in t for t in threads) else {}),
+    }  # fmt: skip
+
+
+def security_figures(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as name:
+        directory = Path(name)
+        write_secret(directory)
+        tls = write_tls_dir(directory / "tls", SECURITY_HOSTS) is not None
+        modes = SECURITY_MODES if tls else ("insecure", "hmac")
+        result = {} if tls else {"tls": "skipped: the cryptography package is not installed"}
+        result.update(security_latency(modes, args.rounds, args.seed, directory))
+        for mode in modes[1:]:
+            result.update(hostile(mode, args.hostile_rounds, args.seed, directory))
+    result["hostile_rounds"] = args.hostile_rounds
+    return result
 
 
 def soak_ours(keys: int, seed: int) -> dict:
@@ -391,13 +534,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--soak-keys", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hostile-rounds", type=int, default=1_000)
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument(
+        "--security-only", action="store_true", help="only the security and hostile-peer runs"
+    )
     parser.add_argument("--child", choices=["ours", "peer"], help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--peers", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--keys", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["latency", "soak"], help=argparse.SUPPRESS)
+    parser.add_argument("--security", choices=SECURITY_MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--security-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child = child_ours if args.child == "ours" else child_peer
@@ -409,6 +558,11 @@ def main() -> None:
         "note": "loopback, hosts as processes on one shared, loaded 2-core machine",
         "rounds": args.rounds,
     }
+    if args.security_only:
+        result.update(security_figures(args))
+        result.update(security_targets(result))
+        print(json.dumps(result))
+        return
     for world in LATENCY_HOSTS:
         for name, value in latency_ours(world, args.rounds, args.seed).items():
             result[f"{world}_hosts_{name}"] = value
@@ -429,7 +583,22 @@ def main() -> None:
         )
     result["target_4_hosts_p50_lt_2ms"] = result["4_hosts_p50_ms"] < 2
     result["target_4_hosts_p99_lt_10ms"] = result["4_hosts_p99_ms"] < 10
+    result.update(security_figures(args))
+    result.update(security_targets(result))
     print(json.dumps(result))
+
+
+def security_targets(result: dict) -> dict:
+    """Every hostile round correct; 4-host p50 with HMAC < 2 ms, with TLS < 3 ms."""
+    targets = {}
+    for mode, limit_ms in (("hmac", 2), ("tls", 3)):
+        if f"hostile_{mode}_lost_rounds" in result:
+            lost = result[f"hostile_{mode}_lost_rounds"] + result[f"hostile_{mode}_wrong_rounds"]
+            targets[f"target_hostile_{mode}_every_round_correct"] = lost == 0
+        if f"4_hosts_{mode}_p50_ms" in result:
+            p50 = result[f"4_hosts_{mode}_p50_ms"]
+            targets[f"target_4_hosts_{mode}_p50_lt_{limit_ms}ms"] = p50 < limit_ms
+    return targets
 
 
 if __name__ == "__main__":

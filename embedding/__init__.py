@@ -18,6 +18,7 @@ from embedding._fdo_limits import StackLimits, apply_fdo, fdo_limits, set_stack_
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError, aligned_empty
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
+from embedding._minibatch import AllReduceInterface
 from embedding._optimizers import (
     AdagradOptimizerSpec,
     AdagradSlots,
@@ -66,6 +67,7 @@ __all__ = [
     "AdagradSlots",
     "AdamOptimizerSpec",
     "AdamSlots",
+    "AllReduceInterface",
     "Combiner",
     "EmbeddingVariables",
     "FTRLOptimizerSpec",

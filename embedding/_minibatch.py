@@ -40,10 +40,13 @@ SPLIT_BITS = 63
 
 
 class AllReduceInterface(Protocol):
-    """Cross-host OR-agreement used by the preprocessing (DESIGN.md section 4).
+    """Cross-host OR agreement, as the preprocessing calls it (DESIGN.md section 4).
 
-    Every host calls each method with the same key for the same batch; the
-    call returns the OR over all hosts (and all local contributors).
+    Every host (and each of its K local contributors) calls a method with the
+    same key for the same round; every call returns the OR over all of them.
+    The preprocessing uses key `2 * batch` for the minibatching flag and
+    `2 * batch + 1` for the split mask. `parallel.allreduce` implements it
+    across hosts (`AllReduceNode.interface()`, `LazyAllReduce`).
     """
 
     def all_reduce_bool(self, sync_key: int, value: bool) -> bool: ...

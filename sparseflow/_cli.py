@@ -9,6 +9,7 @@
   sparseflow train --config C [--data GLOB] [--eval-data GLOB] [--steps N]
                    [--pipelined | --no-pipelined] [--fdo DIR] [--checkpoint-dir D]
                    [--resume] [--metrics-dir D] [--num-processes P]
+                   [--agreement-tls-dir D] [--agreement-secret-file F]
 
 A user error (a bad config, a missing file, a bad record, input the
 preprocessing rejects) prints one `error: ...` line and exits with status 2;

@@ -30,6 +30,7 @@ import yaml
 import embedding
 import pipelines
 from embedding import initializers
+from parallel import allreduce
 from sparseflow._model import ModelConfig
 
 _OPTIMIZERS: dict[str, type[embedding.OptimizerSpec]] = {
@@ -139,6 +140,13 @@ class TrainingConfig:
       fdo_headroom: factor applied to FDO limits.
       agreement_port: first port of the hosts' all-reduce groups (worker w
         uses `agreement_port + w`); 0 picks free ports (one process only).
+      agreement_tls_dir: mutual TLS between the hosts' all-reduce nodes: a
+        directory with `ca.crt`, `rank-<r>.crt` and `rank-<r>.key`
+        (`parallel.allreduce.AllReduceSecurity`); relative to the config file.
+      agreement_secret_file: a file holding the run's shared secret (at least
+        16 bytes); every agreement message then carries an HMAC keyed by it.
+        Relative to the config file. Without either, the agreement is
+        insecure, for hosts on one machine.
     """
 
     steps: int | None = None
@@ -152,6 +160,18 @@ class TrainingConfig:
     epochs: int = 1
     fdo_headroom: float = 1.1
     agreement_port: int = 0
+    agreement_tls_dir: Path | None = None
+    agreement_secret_file: Path | None = None
+
+    def agreement_security(self, run_id: str) -> allreduce.AllReduceSecurity | None:
+        """The agreement's authentication for run `run_id`; None when insecure."""
+        if self.agreement_tls_dir is None and self.agreement_secret_file is None:
+            return None
+        return allreduce.AllReduceSecurity(
+            tls_dir=self.agreement_tls_dir,
+            secret_file=self.agreement_secret_file,
+            run_id=run_id,
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -421,7 +441,7 @@ def _model(node: _Node) -> ModelConfig:
     )
 
 
-def _training(node: _Node) -> TrainingConfig:
+def _training(node: _Node, config_dir: Path) -> TrainingConfig:
     fields = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
     _mapping(node, (), tuple(fields))
     values = dict(
@@ -438,6 +458,8 @@ def _training(node: _Node) -> TrainingConfig:
         epochs=_int(node, "epochs", fields["epochs"]),
         fdo_headroom=_get(node, "fdo_headroom", "number", fields["fdo_headroom"]),
         agreement_port=_int(node, "agreement_port", fields["agreement_port"], minimum=0),
+        agreement_tls_dir=_path(node, "agreement_tls_dir", config_dir),
+        agreement_secret_file=_path(node, "agreement_secret_file", config_dir),
     )
     if values["fdo_headroom"] < 1:
         raise node.child("fdo_headroom").error(f"must be >= 1, got {values['fdo_headroom']}")
@@ -601,6 +623,12 @@ def _stacks(
     return {name: feature_specs[name] for name in order}
 
 
+def _path(node: _Node, key: str, config_dir: Path) -> Path | None:
+    """The path at `key`, relative to the config file's directory; None when absent."""
+    value = _get(node, key, "str")
+    return None if value is None else Path(os.path.abspath(config_dir / value))
+
+
 def _dataset(node: _Node, config_dir: Path) -> DatasetConfig:
     _mapping(node, ("dir", "examples", "eval_examples"), ("shards",))
     return DatasetConfig(
@@ -718,7 +746,7 @@ def load_config(path: str | os.PathLike) -> RunConfig:
         ).hexdigest(),
         model=_model(root.child("model")) if raw.get("model") is not None else ModelConfig(),
         training=(
-            _training(root.child("training"))
+            _training(root.child("training"), Path(source).parent)
             if raw.get("training") is not None
             else TrainingConfig()
         ),

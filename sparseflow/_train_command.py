@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from pathlib import Path
 
@@ -55,9 +56,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--agreement-hosts", help="comma-separated host of every process, in process order"
     )
+    parser.add_argument(
+        "--agreement-tls-dir",
+        type=Path,
+        help="mutual TLS for the agreement: ca.crt, rank-<r>.crt, rank-<r>.key "
+        "(default: training.agreement_tls_dir)",
+    )
+    parser.add_argument(
+        "--agreement-secret-file",
+        type=Path,
+        help="the run's shared secret; agreement messages carry an HMAC keyed by it "
+        "(default: training.agreement_secret_file)",
+    )
 
 
 def run(args: argparse.Namespace, config: RunConfig) -> None:
+    config = with_agreement_security(args, config)
     if args.num_processes < 1:
         raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}.")
     if config.mesh.devices % args.num_processes:
@@ -87,6 +101,18 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
     result = _train.train(config, options(args, config))
     prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
     print(prefix + summary(config, result), flush=True)
+
+
+def with_agreement_security(args: argparse.Namespace, config: RunConfig) -> RunConfig:
+    """`config` with the agreement's TLS directory and secret file from the command line."""
+    overrides = {
+        name: getattr(args, name).absolute()
+        for name in ("agreement_tls_dir", "agreement_secret_file")
+        if getattr(args, name) is not None
+    }
+    if not overrides:
+        return config
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, **overrides))
 
 
 def options(args: argparse.Namespace, config: RunConfig) -> _train.TrainOptions:

@@ -3,7 +3,9 @@
 Each host runs an `AllReduceNode`; K local threads contribute a bool or
 uint64 value per sync key, the last one sends the host's OR to every peer, and
 `get_result` returns the OR over all hosts once every value is in (or raises
-`AllReduceTimeoutError` naming the missing peers after the deadline). The
+`AllReduceTimeoutError` naming the missing peers after the deadline). Peers
+prove their rank with mutual TLS and/or an HMAC keyed by a shared secret
+(`AllReduceSecurity`); without either, the group is for loopback only. The
 preprocessing calls it through `AllReduceNode.interface()` or, in Grain
 worker processes, through a picklable `LazyAllReduce` (one agreement group
 per worker, on `agreement_port(base_port, worker_index)`).
@@ -23,6 +25,7 @@ from parallel.allreduce._errors import (
 )
 from parallel.allreduce._lazy import LazyAllReduce, init_agreement_worker
 from parallel.allreduce._node import AllReduceNode, NodeInterface
+from parallel.allreduce._security import AllReduceSecurity
 from parallel.allreduce._server import BoundServer, bind_server
 from parallel.allreduce._types import AllReduceInterface, AllReduceStats
 
@@ -33,6 +36,7 @@ __all__ = [
     "AllReduceInterface",
     "AllReduceNode",
     "AllReducePeerError",
+    "AllReduceSecurity",
     "AllReduceStats",
     "AllReduceTimeoutError",
     "BoundServer",

@@ -21,12 +21,12 @@ class Contribution:
     value: int
 
 
-def encode(contribution: Contribution) -> allreduce_pb2.AllReduceData:
-    """The wire message of a contribution."""
+def encode(contribution: Contribution, mac: bytes = b"") -> allreduce_pb2.AllReduceData:
+    """The wire message of a contribution, with its HMAC if the group has a secret."""
     field = _FIELD_OF_KIND[contribution.kind]
     value = bool(contribution.value) if contribution.kind is ValueKind.BOOL else contribution.value
     return allreduce_pb2.AllReduceData(
-        sync_key=contribution.sync_key, src_rank=contribution.src_rank, **{field: value}
+        sync_key=contribution.sync_key, src_rank=contribution.src_rank, mac=mac, **{field: value}
     )
 
 

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from parallel.allreduce._security import AllReduceSecurity
+
 DEFAULT_DEADLINE_S = 60.0
 DEFAULT_FINISHED_WINDOW = 16384
+# Genuine peers run at most a few rounds ahead; these bound what a faulty or
+# hostile one can make a host hold (about 1.5 KB per pending key).
+DEFAULT_PENDING_LIMIT = 1024
+DEFAULT_KEY_WINDOW = 65536
 MAX_PORT = 65535
 
 
@@ -87,6 +93,13 @@ class AllReduceConfig:
         within one deadline; a message for a key older than the window would
         start a new round that never completes. Each entry costs about 200
         bytes.
+      pending_limit: how many keys that only peers have started (no local
+        contribution yet) are held at once; a peer's message for one more is
+        rejected. Such keys are forgotten `deadline_s` after they started.
+      key_window: a peer's message that starts a key more than this many
+        keys away from this host's latest local key is rejected.
+      security: mutual TLS and/or a shared secret (`AllReduceSecurity`);
+        None runs insecure, for loopback only.
     """
 
     rank: int
@@ -95,6 +108,9 @@ class AllReduceConfig:
     local_contributors: int = 1
     deadline_s: float = DEFAULT_DEADLINE_S
     finished_window: int = DEFAULT_FINISHED_WINDOW
+    pending_limit: int = DEFAULT_PENDING_LIMIT
+    key_window: int = DEFAULT_KEY_WINDOW
+    security: AllReduceSecurity | None = None
 
     def __post_init__(self):
         if isinstance(self.peers, str) or not self.peers:
@@ -113,8 +129,13 @@ class AllReduceConfig:
             raise ValueError(f"local_contributors must be >= 1, got {self.local_contributors}.")
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {self.deadline_s}.")
-        if self.finished_window < 1:
-            raise ValueError(f"finished_window must be >= 1, got {self.finished_window}.")
+        for name in ("finished_window", "pending_limit", "key_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.security is not None and not isinstance(self.security, AllReduceSecurity):
+            raise TypeError(
+                f"security must be an AllReduceSecurity or None, got {self.security!r}."
+            )
 
     @property
     def world_size(self) -> int:
@@ -127,11 +148,16 @@ class AllReduceConfig:
         return split_address(self.peers[self.rank])[1] if self.port is None else self.port
 
     def for_worker(self, worker_index: int) -> AllReduceConfig:
-        """The group of Grain worker `worker_index`: every port shifted by it."""
+        """The group of Grain worker `worker_index`: every port shifted by it.
+
+        With security, the group's run id names the worker, so that a message
+        of one group is never accepted by another.
+        """
         return dataclasses.replace(
             self,
             peers=tuple(_shift_port(peer, worker_index) for peer in self.peers),
             port=None if self.port is None else agreement_port(self.port, worker_index),
+            security=None if self.security is None else self.security.for_worker(worker_index),
         )
 
 

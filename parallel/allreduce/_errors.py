@@ -56,3 +56,11 @@ class AllReducePeerError(AllReduceError):
 
 class AllReduceClosedError(AllReduceError):
     """The node was closed while the key was still being reduced."""
+
+
+class UnauthenticatedError(Exception):
+    """A peer message failed authentication; it is dropped, never recorded.
+
+    Raised by a node's receive path to its servicer only, which answers with
+    UNAUTHENTICATED (unary) or a rejection reply (stream).
+    """

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 import grpc
 
 from parallel.allreduce._codec import Contribution, encode
+from parallel.allreduce._security import PeerCredentials
 from parallel.allreduce._stream import OnRejected, PeerStream
+from parallel.allreduce._tls import channel_options
 
 _CHANNEL_OPTIONS = [
     # A peer that is not up yet is probed every 0.1-1 s instead of gRPC's
@@ -35,13 +37,21 @@ class PeerSender:
       peers: "host:port" of every host in rank order.
       on_rejected: called as `(sync_key, peer_rank, details)` when a peer
         rejects a value.
+      credentials: this rank's TLS files (the channels then check each
+        peer's certificate) and the authenticator that signs every value.
     """
 
-    def __init__(self, *, rank: int, peers: Sequence[str], on_rejected: OnRejected):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        peers: Sequence[str],
+        on_rejected: OnRejected,
+        credentials: PeerCredentials,
+    ):
+        self._authenticator = credentials.authenticator
         self._channels = {
-            r: grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            for r, address in enumerate(peers)
-            if r != rank
+            r: _channel(address, r, credentials) for r, address in enumerate(peers) if r != rank
         }
         self._streams = [
             PeerStream(channel=channel, peer_rank=r, address=peers[r], on_rejected=on_rejected)
@@ -60,7 +70,8 @@ class PeerSender:
           contribution: the host's locally reduced value.
           deadline: `time.monotonic()` time after which a value is not resent.
         """
-        message = encode(contribution)
+        mac = b"" if self._authenticator is None else self._authenticator.sign(contribution)
+        message = encode(contribution, mac)
         for stream in self._streams:
             stream.send(message, deadline)
 
@@ -77,3 +88,13 @@ class PeerSender:
             stream.join(deadline)
         for channel in self._channels.values():
             channel.close()
+
+
+def _channel(address: str, peer_rank: int, credentials: PeerCredentials) -> grpc.Channel:
+    if credentials.tls is None:
+        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return grpc.secure_channel(
+        address,
+        credentials.tls.channel_credentials(),
+        options=_CHANNEL_OPTIONS + channel_options(peer_rank),
+    )

@@ -12,7 +12,9 @@ expires. When the stream breaks (the peer restarted, the connection dropped),
 the stream thread reopens it after a backoff, waiting for the peer to come up
 (`wait_for_ready`), and resends the log; the peer ignores the repeats. A
 message whose deadline has passed is not resent: the waiting threads report
-the missing peer by then.
+the missing peer by then. With nothing left to resend, the stream is reopened
+by the next `send` instead: the peer ends streams that stay silent while
+unidentified (see `_admission.py`).
 
 Locking: `_lock` guards the log, the current queue and call, and the flags.
 It is never held while calling into gRPC, blocking on a queue, or calling
@@ -125,6 +127,8 @@ class PeerStream:
         backoff = _INITIAL_BACKOFF_S
         while True:
             requests = self._next_requests()
+            if requests is None:
+                return
             call = self._open_call(requests, wait_for_ready=True)
             with self._lock:
                 self._call = call
@@ -152,12 +156,13 @@ class PeerStream:
             self._wake.wait(backoff)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
 
-    def _next_requests(self) -> Iterator[allreduce_pb2.AllReduceData]:
+    def _next_requests(self) -> Iterator[allreduce_pb2.AllReduceData] | None:
         """A fresh queue holding the log, as the requests of a new stream.
 
         A new queue per stream: the request thread of a broken stream may
         still take one more item from its own queue, and must not take it
-        from the new one.
+        from the new one. None when the log is empty: this thread ends, and
+        the next `send` starts another.
         """
         now = time.monotonic()
         with self._lock:
@@ -166,14 +171,26 @@ class PeerStream:
                 self._unacked = collections.deque((m, d) for m, d in self._unacked if d > now)
                 self._failures += len(expired)
             self._acked = 0
-            requests = queue.SimpleQueue()
-            for message, _ in self._unacked:
-                requests.put(message)
-            if self._closing:
-                requests.put(_END)
             if self._queue is not None:
                 self._queue.put(_END)
-            self._queue = requests
+            if not self._unacked and not self._closing:
+                self._queue = self._thread = None
+                requests = None
+            else:
+                requests = self._queue = self._fresh_queue()
+        self._warn_expired(expired)
+        return None if requests is None else iter(requests.get, _END)
+
+    def _fresh_queue(self) -> queue.SimpleQueue:
+        """The log (and the half-close, if any) in a new queue; the caller holds `_lock`."""
+        requests = queue.SimpleQueue()
+        for message, _ in self._unacked:
+            requests.put(message)
+        if self._closing:
+            requests.put(_END)
+        return requests
+
+    def _warn_expired(self, expired: list[allreduce_pb2.AllReduceData]) -> None:
         if expired:
             _log.warning(
                 "all-reduce: %d value(s), the first for sync key %d, not delivered to rank %d "
@@ -183,7 +200,6 @@ class PeerStream:
                 self._peer_rank,
                 self._address,
             )
-        return iter(requests.get, _END)
 
     def _on_reply(self, reply: allreduce_pb2.ContributeReply) -> None:
         with self._lock:

@@ -6,6 +6,13 @@ in (then it holds the OR of all of them), or until it fails. A finished key
 moves to a window of the `finished_window` most recent finished keys, so that
 late and repeated peer messages for it are recognized and ignored.
 
+Keys that only peers have started (no local contribution or waiter yet) are
+bounded, so that a peer cannot grow the table without limit: a new one is
+rejected when it lies more than `key_window` keys from this host's latest
+local key or when `pending_limit` of them are pending already, and one
+expires (is forgotten, its values with it) `deadline_s` after it started:
+by then the senders' own deadlines have passed.
+
 Locking: one lock guards all state; every key's condition variable is built on
 it, so there is no lock order to respect inside this module. Callers must not
 hold any other lock of theirs while calling in (the node never does).
@@ -70,6 +77,9 @@ class ReductionTable:
       local_contributors: K.
       deadline_s: how long `wait` blocks before failing the key.
       finished_window: how many finished keys are remembered.
+      pending_limit: keys only peers have started, at most.
+      key_window: how far from this host's latest local key a peer may
+        start a key.
     """
 
     def __init__(
@@ -80,14 +90,21 @@ class ReductionTable:
         local_contributors: int,
         deadline_s: float,
         finished_window: int,
+        pending_limit: int,
+        key_window: int,
     ):
         self._rank = rank
         self._peers = tuple(peers)
         self._k = local_contributors
         self._deadline_s = deadline_s
         self._window = finished_window
+        self._pending_limit = pending_limit
+        self._key_window = key_window
         self._lock = threading.Lock()
         self._pending: dict[int, _Key] = {}
+        # Keys only peers have started -> when, oldest first.
+        self._peer_only: dict[int, float] = {}
+        self._last_local: int | None = None
         self._finished: collections.OrderedDict[int, _Key] = collections.OrderedDict()
         self._closed = False
         self._counts = collections.Counter()
@@ -105,7 +122,8 @@ class ReductionTable:
           AllReduceError: the key already failed, or the table is closed.
         """
         with self._lock:
-            state = self._state(sync_key)
+            state = self._local_state(sync_key)
+            self._last_local = sync_key
             if state.finished:
                 raise self._finished_error(sync_key, state)
             if state.kind not in (None, kind):
@@ -125,7 +143,8 @@ class ReductionTable:
         """Adds a peer's value; repeated or late messages change nothing.
 
         Raises:
-          ValueError: the key holds values of the other kind (the key fails).
+          ValueError: the key holds values of the other kind (the key fails),
+            or is a new key out of bounds (see the module docstring).
           AllReduceClosedError: the table is closed.
         """
         key, src = contribution.sync_key, contribution.src_rank
@@ -133,6 +152,8 @@ class ReductionTable:
             if key in self._finished:
                 self._counts["late_ignored"] += 1
                 return PeerOutcome.LATE
+            if key not in self._pending:
+                self._admit_peer_key(key, src)
             state = self._state(key)
             if src in state.peers_in:
                 self._counts["duplicates_ignored"] += 1
@@ -163,7 +184,7 @@ class ReductionTable:
         """
         start = time.monotonic()
         with self._lock:
-            state = self._state(sync_key)
+            state = self._local_state(sync_key)
             while not state.finished:
                 remaining = start + self._deadline_s - time.monotonic()
                 if remaining <= 0:
@@ -188,6 +209,11 @@ class ReductionTable:
         with self._lock:
             self._counts["rejected"] += 1
 
+    def count_auth_failure(self) -> None:
+        """Counts one peer message dropped for failing authentication."""
+        with self._lock:
+            self._counts["auth_failed"] += 1
+
     def close(self) -> None:
         """Fails every pending key; later calls raise `AllReduceClosedError`."""
         with self._lock:
@@ -198,7 +224,15 @@ class ReductionTable:
     def counts(self) -> dict[str, int]:
         """The counters (see `AllReduceStats`), without `send_failures`."""
         with self._lock:
-            names = ("completed", "failed", "late_ignored", "duplicates_ignored", "rejected")
+            names = (
+                "completed",
+                "failed",
+                "late_ignored",
+                "duplicates_ignored",
+                "rejected",
+                "auth_failed",
+                "expired",
+            )
             return {name: self._counts[name] for name in names} | {"pending": len(self._pending)}
 
     def _state(self, sync_key: int) -> _Key:
@@ -208,6 +242,42 @@ class ReductionTable:
         if state is None:
             state = self._pending[sync_key] = _Key(self._k, self._lock)
         return state
+
+    def _local_state(self, sync_key: int) -> _Key:
+        """The key's state, which a local thread now holds on to: it never expires."""
+        state = self._state(sync_key)
+        self._peer_only.pop(sync_key, None)
+        return state
+
+    def _admit_peer_key(self, sync_key: int, src_rank: int) -> None:
+        """Registers a key a peer starts, or raises `ValueError` if out of bounds."""
+        if self._closed:
+            raise self._closed_error(sync_key)()
+        now = time.monotonic()
+        self._expire_peer_keys(now)
+        last = self._last_local
+        if last is not None and abs(sync_key - last) > self._key_window:
+            raise ValueError(
+                f"rank {src_rank} sent sync key {sync_key}, more than {self._key_window} keys "
+                f"away from the latest key of rank {self._rank} ({last}); every host must run "
+                "the same rounds."
+            )
+        if len(self._peer_only) >= self._pending_limit:
+            raise ValueError(
+                f"rank {src_rank} sent sync key {sync_key}, but rank {self._rank} already holds "
+                f"{self._pending_limit} keys that only peers have started; the sender runs too "
+                "far ahead."
+            )
+        self._peer_only[sync_key] = now
+
+    def _expire_peer_keys(self, now: float) -> None:
+        while self._peer_only:
+            key, started = next(iter(self._peer_only.items()))
+            if started + self._deadline_s > now:
+                return
+            del self._peer_only[key]
+            del self._pending[key]
+            self._counts["expired"] += 1
 
     def _finish_if_complete(self, sync_key: int, state: _Key) -> None:
         if state.local_left == 0 and len(state.peers_in) == len(self._peers) - 1:
@@ -221,6 +291,7 @@ class ReductionTable:
     def _retire(self, sync_key: int, state: _Key, outcome: str) -> None:
         self._counts[outcome] += 1
         del self._pending[sync_key]
+        self._peer_only.pop(sync_key, None)
         self._finished[sync_key] = state
         if len(self._finished) > self._window:
             self._finished.popitem(last=False)

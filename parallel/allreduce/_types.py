@@ -1,23 +1,16 @@
-"""Interfaces shared by the node, its interface object and the lazy wrapper."""
+"""Interfaces shared by the node, its interface object and the lazy wrapper.
+
+`AllReduceInterface` is defined where the preprocessing calls it
+(`embedding`, which imports nothing from `parallel`) and re-exported here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
+from embedding import AllReduceInterface
 
-class AllReduceInterface(Protocol):
-    """Cross-host OR agreement, as the preprocessing calls it.
-
-    Every host (and each of its K local contributors) calls a method with the
-    same key for the same round; every call returns the OR over all of them.
-    The preprocessing uses key `2 * batch` for the minibatching flag and
-    `2 * batch + 1` for the split mask.
-    """
-
-    def all_reduce_bool(self, sync_key: int, value: bool) -> bool: ...
-
-    def all_reduce_uint64(self, sync_key: int, value: int) -> int: ...
+__all__ = ["AllReduceInterface", "AllReduceStats"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,7 +23,13 @@ class AllReduceStats:
       pending: keys started and not finished yet.
       late_ignored: peer messages for keys already finished (ignored).
       duplicates_ignored: repeated peer messages for a pending key (ignored).
-      rejected: peer messages answered with INVALID_ARGUMENT.
+      rejected: peer messages answered with INVALID_ARGUMENT (malformed, the
+        other value kind, or a new key out of bounds).
+      auth_failed: peer messages dropped because their HMAC, certificate or
+        stream did not match the rank they claimed; never recorded.
+      expired: keys only peers had started, forgotten after the deadline.
+      streams_ended: peer streams the server ended (replaced by the rank's
+        newer stream, or unidentified and pushed out by a newer one).
       send_failures: sends to a peer that finally failed.
     """
 
@@ -40,4 +39,7 @@ class AllReduceStats:
     late_ignored: int
     duplicates_ignored: int
     rejected: int
+    auth_failed: int
+    expired: int
+    streams_ended: int
     send_failures: int

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import empty_pb2 as google_dot_protobuf_dot_empty__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61llreduce.proto\x12\x14sparseflow.allreduce\x1a\x1bgoogle/protobuf/empty.proto\"f\n\rAllReduceData\x12\x10\n\x08sync_key\x18\x01 \x01(\x04\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x12\n\x08\x62ool_val\x18\x03 \x01(\x08H\x00\x12\x14\n\nuint64_val\x18\x04 \x01(\x04H\x00\x42\x07\n\x05value\"O\n\x0f\x43ontributeReply\x12\x0f\n\x07handled\x18\x01 \x01(\x04\x12\x19\n\x11rejected_sync_key\x18\x02 \x01(\x04\x12\x10\n\x08rejected\x18\x03 \x01(\t2\xbe\x01\n\tAllReduce\x12M\n\x0e\x43ontributeData\x12#.sparseflow.allreduce.AllReduceData\x1a\x16.google.protobuf.Empty\x12\x62\n\x10\x43ontributeStream\x12#.sparseflow.allreduce.AllReduceData\x1a%.sparseflow.allreduce.ContributeReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61llreduce.proto\x12\x14sparseflow.allreduce\x1a\x1bgoogle/protobuf/empty.proto\"s\n\rAllReduceData\x12\x10\n\x08sync_key\x18\x01 \x01(\x04\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x12\n\x08\x62ool_val\x18\x03 \x01(\x08H\x00\x12\x14\n\nuint64_val\x18\x04 \x01(\x04H\x00\x12\x0b\n\x03mac\x18\x05 \x01(\x0c\x42\x07\n\x05value\"O\n\x0f\x43ontributeReply\x12\x0f\n\x07handled\x18\x01 \x01(\x04\x12\x19\n\x11rejected_sync_key\x18\x02 \x01(\x04\x12\x10\n\x08rejected\x18\x03 \x01(\t2\xbe\x01\n\tAllReduce\x12M\n\x0e\x43ontributeData\x12#.sparseflow.allreduce.AllReduceData\x1a\x16.google.protobuf.Empty\x12\x62\n\x10\x43ontributeStream\x12#.sparseflow.allreduce.AllReduceData\x1a%.sparseflow.allreduce.ContributeReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'allreduce_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ALLREDUCEDATA']._serialized_start=70
-  _globals['_ALLREDUCEDATA']._serialized_end=172
-  _globals['_CONTRIBUTEREPLY']._serialized_start=174
-  _globals['_CONTRIBUTEREPLY']._serialized_end=253
-  _globals['_ALLREDUCE']._serialized_start=256
-  _globals['_ALLREDUCE']._serialized_end=446
+  _globals['_ALLREDUCEDATA']._serialized_end=185
+  _globals['_CONTRIBUTEREPLY']._serialized_start=187
+  _globals['_CONTRIBUTEREPLY']._serialized_end=266
+  _globals['_ALLREDUCE']._serialized_start=269
+  _globals['_ALLREDUCE']._serialized_end=459
 # @@protoc_insertion_point(module_scope)

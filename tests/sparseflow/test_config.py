@@ -186,6 +186,20 @@ def test_absolute_dataset_dir_is_kept(tmp_path):
     assert config.dataset.dir == tmp_path / "elsewhere"
 
 
+def test_agreement_security_paths_are_relative_to_the_config(tmp_path):
+    raw = _base()
+    raw["training"] = {"agreement_tls_dir": "tls", "agreement_secret_file": "/run/secret"}
+    config = load_config(_write(tmp_path, raw))
+    security = config.training.agreement_security(run_id="run-a")
+    assert (security.tls_dir, security.secret_file) == (tmp_path / "tls", Path("/run/secret"))
+    assert security.run_id == "run-a"
+
+
+def test_the_agreement_is_insecure_without_tls_or_secret(tmp_path):
+    config = load_config(_write(tmp_path, _base()))
+    assert config.training.agreement_security(run_id="run-a") is None
+
+
 def test_config_hash_is_canonical_and_tracks_values(tmp_path):
     raw = _base()
     first = load_config(_write(tmp_path, raw, "one.yaml")).config_hash

@@ -4,6 +4,7 @@ import pathlib
 
 from google.protobuf.descriptor import FieldDescriptor
 
+import embedding
 from parallel import allreduce
 from parallel.allreduce import allreduce_pb2
 
@@ -24,11 +25,17 @@ def test_the_committed_stubs_match_the_proto():
         "src_rank": (2, FieldDescriptor.TYPE_UINT32),
         "bool_val": (3, FieldDescriptor.TYPE_BOOL),
         "uint64_val": (4, FieldDescriptor.TYPE_UINT64),
+        "mac": (5, FieldDescriptor.TYPE_BYTES),
     }
     assert [f.name for f in message.oneofs_by_name["value"].fields] == ["bool_val", "uint64_val"]
     service = allreduce_pb2.DESCRIPTOR.services_by_name["AllReduce"]
     assert service.full_name == "sparseflow.allreduce.AllReduce"
     method = service.methods_by_name["ContributeData"]
     assert method.output_type.full_name == "google.protobuf.Empty"
-    for declaration in ("uint64 sync_key = 1;", "uint32 src_rank = 2;", "rpc ContributeData("):
+    declarations = ("uint64 sync_key = 1;", "uint32 src_rank = 2;", "bytes mac = 5;")
+    for declaration in (*declarations, "rpc ContributeData("):
         assert declaration in proto
+
+
+def test_one_all_reduce_interface_serves_embedding_and_parallel():
+    assert allreduce.AllReduceInterface is embedding.AllReduceInterface

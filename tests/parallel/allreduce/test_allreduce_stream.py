@@ -5,9 +5,11 @@ import time
 
 import grpc
 import pytest
+import recording
 
 from parallel.allreduce import allreduce_pb2 as pb
 from parallel.allreduce import bind_server
+from parallel.allreduce._admission import StreamRegistry
 from parallel.allreduce._servicer import AllReduceServicer
 from parallel.allreduce._stream import PeerStream
 
@@ -17,9 +19,7 @@ RECEIVE_TIMEOUT_S = 30
 def recording_server(port=0):
     """A server that accepts every message and records it, and its record."""
     received = queue.Queue()
-    server = bind_server(port, host="127.0.0.1")
-    server.start(AllReduceServicer(received.put), peers=1)
-    return server, received
+    return recording.serve(received.put, port), received
 
 
 def keys(received, count):
@@ -78,8 +78,7 @@ def test_a_rejected_value_is_reported_and_the_stream_goes_on(peer):
             raise ValueError("key 5 is bad")
         received.put(message)
 
-    server = bind_server(servers[0].port, host="127.0.0.1")
-    server.start(AllReduceServicer(receive), peers=1)
+    server = recording.serve(receive, servers[0].port)
     servers.append(server)
     far = time.monotonic() + 60
     for key in (4, 5, 6):
@@ -112,3 +111,39 @@ def test_close_delivers_what_was_queued_to_a_peer_that_starts_late():
         finally:
             server.stop(0)
     assert stream.failures == 0 and rejected == []
+
+
+class CountingServicer(AllReduceServicer):
+    """Records every message and counts the streams opened to it."""
+
+    def __init__(self):
+        self.received = queue.Queue()
+        self.streams = 0
+
+        def receive(message, expected_rank):
+            self.received.put(message)
+            return message.src_rank
+
+        super().__init__(receive, streams=StreamRegistry(4))
+
+    def ContributeStream(self, request_iterator, context):  # noqa: N802 - the RPC's name
+        self.streams += 1
+        yield from super().ContributeStream(request_iterator, context)
+
+
+def test_a_stream_with_nothing_to_resend_reopens_on_the_next_send(peer):
+    stream, servers, received, rejected = peer
+    stream.send(message(1), time.monotonic() + 0.3)
+    assert keys(received, 1) == [1]
+    time.sleep(0.4)  # key 1 expires unacknowledged: nothing is left to resend
+    port = servers[0].port
+    servers[0].stop(0)  # the stream breaks
+    servicer = CountingServicer()
+    server = bind_server(port, host="127.0.0.1")
+    server.start(servicer, peers=1)
+    servers.append(server)
+    time.sleep(1.5)  # longer than the sender's longest backoff
+    assert servicer.streams == 0  # an empty stream would sit unidentified at the peer
+    stream.send(message(2), time.monotonic() + 60)
+    assert servicer.received.get(timeout=RECEIVE_TIMEOUT_S).sync_key == 2
+    assert servicer.streams == 1 and stream.failures == 1 and rejected == []

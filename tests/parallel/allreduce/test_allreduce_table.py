@@ -3,6 +3,7 @@
 import functools
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,9 +18,17 @@ from parallel.allreduce._values import ValueKind
 PEERS = ("h0:1", "h1:1", "h2:1", "h3:1")
 
 
-def make_table(rank=0, peers=PEERS, k=2, deadline_s=30.0, window=16):
+def make_table(
+    rank=0, peers=PEERS, k=2, deadline_s=30.0, window=16, pending_limit=1024, key_window=2**16
+):
     return ReductionTable(
-        rank=rank, peers=peers, local_contributors=k, deadline_s=deadline_s, finished_window=window
+        rank=rank,
+        peers=peers,
+        local_contributors=k,
+        deadline_s=deadline_s,
+        finished_window=window,
+        pending_limit=pending_limit,
+        key_window=key_window,
     )
 
 
@@ -191,3 +200,26 @@ def _capture(errors, fn, *args):
         fn(*args)
     except Exception as e:  # noqa: BLE001 - the test asserts on it
         errors.append(e)
+
+
+def test_a_peer_key_far_from_the_local_rounds_is_rejected():
+    table = make_table(k=1, key_window=100)
+    table.add_local(1000, ValueKind.UINT64, 1)
+    assert table.add_peer(peer(1100, 1, 1)) is PeerOutcome.ACCEPTED
+    assert table.add_peer(peer(900, 1, 1)) is PeerOutcome.ACCEPTED
+    with pytest.raises(ValueError, match="more than 100 keys away from the latest key"):
+        table.add_peer(peer(1101, 1, 1))
+    assert table.counts()["pending"] == 3
+
+
+def test_keys_only_peers_started_are_bounded_and_expire():
+    table = make_table(k=1, deadline_s=0.2, pending_limit=2)
+    table.add_peer(peer(1, 1, 1))
+    table.add_peer(peer(2, 1, 1))
+    with pytest.raises(ValueError, match="already holds 2 keys that only peers have started"):
+        table.add_peer(peer(3, 1, 1))
+    table.add_local(2, ValueKind.UINT64, 1)  # a local round holds on to key 2
+    time.sleep(0.3)
+    assert table.add_peer(peer(3, 1, 1)) is PeerOutcome.ACCEPTED
+    counts = table.counts()
+    assert (counts["expired"], counts["pending"]) == (1, 2)  # key 1 went, key 2 stayed
