@@ -29,8 +29,8 @@ import embedding
 import parallel
 import pipelines
 from parallel import allreduce
-from sparseflow import _model
-from sparseflow._checkpoint import Checkpoints, Snapshot
+from sparseflow import _model, _run_identity
+from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._config import RunConfig
 from sparseflow._metrics import MetricsWriter, Progress
 from sparseflow._steps import DenseInputs, Stages, init_train_state, replicate
@@ -48,8 +48,10 @@ class TrainOptions:
       steps: overrides `training.steps`.
       pipelined: overrides `training.pipelined`.
       fdo_dir: FDO stats to set the tables' limits from, or None.
-      checkpoint_dir: where checkpoints go, or None for none.
-      resume: continue from the newest checkpoint in `checkpoint_dir`.
+      checkpoint_dir: where checkpoints go, or None for none. Without
+        `resume` it must be empty or missing.
+      resume: continue from the newest checkpoint in `checkpoint_dir`, which
+        must have been written by this run (same layout config and data).
       metrics_dir: TensorBoard event files, or None.
       stop_after: end the process abruptly after this many steps (after the
         step's checkpoint, if one is due): what a crash leaves, for resume tests.
@@ -300,12 +302,16 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     """Trains the recommender on `options.data` as `config` says.
 
     Raises:
-      ValueError: bad data, specs or options (the message says which).
+      ValueError: bad data, specs or options (the message says which); a
+        non-empty checkpoint folder without `resume`.
+      CheckpointMismatchError: `resume` with a checkpoint of another run.
       CheckpointError: `resume` with checkpoints none of which restores.
     """
+    if options.checkpoint_dir is not None and not options.resume:
+        check_fresh(options.checkpoint_dir)
     mesh = make_mesh()
     run = _Run(config, options, mesh)
-    checkpoints = Checkpoints(options.checkpoint_dir) if options.checkpoint_dir else None
+    checkpoints = _checkpoints(run) if options.checkpoint_dir is not None else None
     metrics = MetricsWriter(options.metrics_dir if jax.process_index() == 0 else None)
     with _iterator(config, options, run.specs, mesh, options.data, training=True) as batches:
         n = _number_of_steps(run, batches)
@@ -341,6 +347,13 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         train_state=run.state,
         embedding_variables=run.tables,
     )
+
+
+def _checkpoints(run: _Run) -> Checkpoints:
+    identity = _run_identity.run_identity(
+        run.config, run.options.data, pipelined=run.pipelined, processes=jax.process_count()
+    )
+    return Checkpoints(run.options.checkpoint_dir, run=identity)
 
 
 def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics) -> float:
