@@ -19,7 +19,7 @@ _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 
 
 def _python(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code])
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
 
 
 def test_a_process_killed_by_a_signal_fails_the_launch():
