@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -73,6 +74,10 @@ class TrainOptions:
     progress: bool = True
     agreement_port: int = 0
     agreement_hosts: Sequence[str] | None = None
+
+
+class TrainingDivergedError(ValueError):
+    """The loss or the parameters stopped being finite; nothing from that step on is saved."""
 
 
 class TrainResult(NamedTuple):
@@ -249,7 +254,22 @@ class _Run:
         self.pipeline_state = arrays.get("pipeline")
 
     def record(self, output) -> None:
-        self.losses.append(float(output.loss))
+        """Keeps the loss and predictions of the next batch (batches train in order).
+
+        Raises:
+          TrainingDivergedError: the loss is NaN or infinite.
+        """
+        loss = float(output.loss)
+        if not math.isfinite(loss):
+            # losses[i] is the loss of global batch i, trained by step i + 1.
+            batch = len(self.losses)
+            raise TrainingDivergedError(
+                f"The loss of step {batch + 1} (global batch {batch} of the input) is {loss}; "
+                "training stopped without saving that step or any later one, so the last "
+                "checkpoint written is the last good one. Look for NaN or infinite values "
+                "in that batch's input, or lower the learning rates."
+            )
+        self.losses.append(loss)
         self.window.append((_gathered(output.logits), _gathered(output.labels)))
 
     def window_auc(self) -> float:
@@ -306,6 +326,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         non-empty checkpoint folder without `resume`.
       CheckpointMismatchError: `resume` with a checkpoint of another run.
       CheckpointError: `resume` with checkpoints none of which restores.
+      TrainingDivergedError: the loss or the parameters became non-finite.
     """
     if options.checkpoint_dir is not None and not options.resume:
         check_fresh(options.checkpoint_dir)
@@ -440,7 +461,19 @@ def _report(run: _Run, metrics, progress, logged: int) -> int:
     return trained
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
+    # A finite loss does not rule out an update that made parameters NaN.
+    if not bool(_all_finite((run.state, run.tables))):
+        raise TrainingDivergedError(
+            f"Parameters or optimizer slots are NaN or infinite after step {done} (with "
+            "finite losses); training stopped without saving them, so the last checkpoint "
+            "written is the last good one. Lower the learning rates."
+        )
     checkpoints.save(
         Snapshot(
             step=done,
