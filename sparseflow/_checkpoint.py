@@ -35,6 +35,8 @@ _log = logging.getLogger(__name__)
 
 # A step set aside while its replacement is written (`Checkpoints.save`).
 _SET_ASIDE = re.compile(r"^(\d+)\.replaced$")
+# Where orbax writes a step before renaming it to the step's number.
+_TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
 
 
 class Snapshot(NamedTuple):
@@ -43,7 +45,8 @@ class Snapshot(NamedTuple):
     Attributes:
       step: pipeline calls (or sequential steps) done.
       arrays: the pytree of arrays (dense state, tables, pipeline state).
-      iterator_state: the input iterator's position (opaque bytes).
+      iterator_state: this process's input iterator position (opaque bytes);
+        a checkpoint holds every process's.
       metadata: small JSON-able facts (losses so far, the run's identity, ...).
     """
 
@@ -99,14 +102,17 @@ class Checkpoints:
         self._directory = Path(directory).absolute()
         self._run = None if run is None else dict(run)
         if jax.process_index() == 0 and self._directory.is_dir():
-            _recover_set_aside(self._directory)
+            _recover_from_crash(self._directory)
         _hosts.barrier("sparseflow:checkpoints_recovered")
         self._manager = ocp.CheckpointManager(
-            self._directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, cleanup_tmp_directories=True
-            ),
+            self._directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         )
+        # Restores read the items through their handlers, not the manager:
+        # the manager's restore ends in a barrier that a process whose read
+        # failed never reaches, so the others would wait there forever.
+        # `_hosts` agrees on the outcome instead.
+        self._arrays_handler = ocp.StandardCheckpointHandler()
+        self._metadata_handler = ocp.JsonCheckpointHandler()
 
     def save(self, snapshot: Snapshot) -> None:
         """Writes `snapshot` (blocking until it is complete on disk).
@@ -114,10 +120,12 @@ class Checkpoints:
         A step already there (one a resumed run fell back past, as damaged)
         is set aside, and deleted only once its replacement is complete.
         """
+        # Only process 0 writes the metadata; each process reads its own position.
+        states = _hosts.gathered_bytes(snapshot.iterator_state)
         metadata = dict(
             snapshot.metadata,
             run=self._run,
-            iterator_state=base64.b64encode(snapshot.iterator_state).decode("ascii"),
+            iterator_states=[base64.b64encode(state).decode("ascii") for state in states],
             arrays_layout=_run_identity.array_layout(snapshot.arrays),
         )
         set_aside = None
@@ -197,27 +205,29 @@ class Checkpoints:
         if metadata is None:
             return None, damage
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(_abstract(like)))
+            restored = self._arrays_handler.restore(
+                self._directory / str(step) / "arrays",
+                args=ocp.args.StandardRestore(_abstract(like)),
             )
         except Exception as e:  # noqa: BLE001 - the layout matches: a failure means damaged files
             return None, str(e)
-        state = base64.b64decode(metadata.pop("iterator_state"))
+        state = base64.b64decode(metadata.pop("iterator_states")[jax.process_index()])
         # Orbax restores scalars onto one device; place every array as in `like`.
-        arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored.arrays, like)
+        arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored, like)
         return Snapshot(step, arrays, state, metadata), None
 
     def _metadata(self, step: int) -> tuple[dict | None, str | None]:
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+            metadata = self._metadata_handler.restore(
+                self._directory / str(step) / "metadata", args=ocp.args.JsonRestore()
             )
         except Exception as e:  # noqa: BLE001 - any failure to read it means "damaged"
             return None, str(e)
-        return dict(restored.metadata), None
+        return dict(metadata), None
 
     def close(self) -> None:
         self._manager.close()
+        self._arrays_handler.close()
 
 
 def _mismatch(metadata: dict, like: Any, run: dict | None) -> str | None:
@@ -233,11 +243,25 @@ def _mismatch(metadata: dict, like: Any, run: dict | None) -> str | None:
     )
     if found:
         return f"holds other arrays than this run: {_run_identity.describe(found)}"
+    positions = len(metadata.get("iterator_states", []))
+    if jax.process_index() >= positions:
+        process = jax.process_index()
+        return f"holds the input positions of {positions} processes, not of process {process}"
     return None
 
 
-def _recover_set_aside(directory: Path) -> None:
-    """Finishes a replacement a crash interrupted: keeps the new step if complete, else the old."""
+def _recover_from_crash(directory: Path) -> None:
+    """Removes the steps a crash left unfinished, and finishes an interrupted replacement.
+
+    Of a replacement, the new step is kept if it was committed, else the old
+    one is put back. Orbax's own clean-up of unfinished steps runs in the
+    background, so a run could list them while it goes on; this one is done
+    before the folder is opened.
+    """
+    for entry in sorted(directory.iterdir()):
+        if _TEMPORARY.match(entry.name):
+            _log.info("Removing %s, a checkpoint a crash left unfinished.", entry)
+            shutil.rmtree(entry)
     for entry in directory.iterdir():
         match = _SET_ASIDE.match(entry.name)
         if match is None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import portpicker
 import pytest
 import yaml
-from train_cases import write_data
+from train_cases import cli, write_data
 
 from sparseflow import _train, load_config
 from sparseflow._checkpoint import CheckpointMismatchError, Checkpoints, Snapshot
@@ -133,3 +136,78 @@ def test_resume_refuses_the_checkpoints_of_another_run(small_run, change):
     with pytest.raises(CheckpointMismatchError, match=expected):
         _train.train(config, _train_options(data, checkpoints, steps=4, resume=True))
     assert sorted(int(p.name) for p in checkpoints.iterdir()) == [2]
+
+
+def _train_two_processes(path: Path, data: str, checkpoints: Path, *extra: str):
+    return cli(
+        "train",
+        "--config",
+        str(path),
+        "--data",
+        data,
+        "--no-pipelined",
+        "--no-progress",
+        "--num-processes",
+        "2",
+        "--checkpoint-dir",
+        str(checkpoints),
+        *extra,
+        timeout=300,
+    )
+
+
+def test_a_two_process_run_resumes_past_a_damaged_checkpoint(small_run):
+    tmp, path, _, data = small_run
+    checkpoints = tmp / "two_processes"
+    done = _train_two_processes(path, data, checkpoints, "--steps", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Damage the files process 1 wrote of step 4.
+    damaged = [
+        f for f in (checkpoints / "4" / "arrays" / "ocdbt.process_1").rglob("*") if f.is_file()
+    ]
+    assert damaged
+    for file in damaged:
+        file.write_bytes(b"")
+
+    resumed = _train_two_processes(path, data, checkpoints, "--steps", "6", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fallbacks = [line for line in resumed.stderr.splitlines() if "cannot be restored" in line]
+    assert len(fallbacks) == 2, "\n".join(fallbacks)  # one per process
+    losses = dict(re.findall(r"\[process (\d)\] .*?loss ([0-9.]+)", resumed.stdout))
+    assert set(losses) == {"0", "1"} and losses["0"] == losses["1"], resumed.stdout
+    assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [2, 4, 6]
+
+
+def test_every_process_restores_the_same_step(tmp_path):
+    coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "checkpoint_hosts_process.py"), str(tmp_path), str(i)]
+            + [coordinator],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [process.communicate(timeout=180) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, stderr[-3000:]
+    restored = [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
+    # Process 0 reads step 4, but process 1 cannot: both restore step 2, each its own position.
+    assert restored == [
+        {"step": 2, "position": f"step 2 of process {i}", "value": 2.0} for i in range(2)
+    ]
+    assert "it does not restore on another process" in outputs[0][1]

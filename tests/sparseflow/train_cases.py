@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +44,23 @@ def write_data(config, out: Path, *, examples: int = EXAMPLES, seed: int | None 
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m sparseflow ARGS` from the repository, its output captured."""
-    return subprocess.run(
+    """`python -m sparseflow ARGS` from the repository, its output captured.
+
+    It runs in a session of its own: on a timeout its local processes are
+    killed with it, not left running.
+    """
+    process = subprocess.Popen(
         [sys.executable, "-m", "sparseflow", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=REPO,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
