@@ -180,17 +180,9 @@ def _iterator(
         on_bad_record=pre.on_bad_record,
         agreement=_agreement(config, options),
     )
-    shuffle = training and config.training.shuffle
-    batching = pipelines.BatchingConfig(
-        global_batch_size=config.global_batch_size,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        num_epochs=config.training.epochs if training else 1,
-        shuffle_seed=config.seed if shuffle else None,
-    )
     host = pipelines.make_grain_iterator(
         data,
-        batching=batching,
+        batching=_batching(config, training=training),
         preprocess=preprocess,
         options=pipelines.GrainOptions(
             worker_count=config.training.workers if training else 0,
@@ -198,6 +190,29 @@ def _iterator(
         ),
     )
     return pipelines.DeviceIterator(host, mesh)
+
+
+def _batching(config: RunConfig, *, training: bool) -> pipelines.BatchingConfig:
+    shuffle = training and config.training.shuffle
+    return pipelines.BatchingConfig(
+        global_batch_size=config.global_batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        num_epochs=config.training.epochs if training else 1,
+        shuffle_seed=config.seed if shuffle else None,
+    )
+
+
+def _ranges(indices: np.ndarray, shown: int = 8) -> str:
+    """`[0, 1, 2, 7]` as `0-2, 7`: the first `shown` runs of consecutive sorted indices."""
+    values = np.sort(indices)
+    starts = np.flatnonzero(np.diff(values, prepend=values[0] - 2) != 1)
+    ends = np.append(starts[1:], len(values)) - 1
+    runs = [
+        f"{values[a]}" if a == b else f"{values[a]}-{values[b]}"
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    return ", ".join(runs[:shown]) + (", ..." if len(runs) > shown else "")
 
 
 def _gathered(x: jax.Array) -> np.ndarray:
@@ -263,11 +278,15 @@ class _Run:
         if not math.isfinite(loss):
             # losses[i] is the loss of global batch i, trained by step i + 1.
             batch = len(self.losses)
+            rows = pipelines.batch_record_indices(
+                self.options.data, _batching(self.config, training=True), batch
+            )
             raise TrainingDivergedError(
                 f"The loss of step {batch + 1} (global batch {batch} of the input) is {loss}; "
                 "training stopped without saving that step or any later one, so the last "
-                "checkpoint written is the last good one. Look for NaN or infinite values "
-                "in that batch's input, or lower the learning rates."
+                "checkpoint written is the last good one. This process's rows of that batch "
+                f"are the dataset's records {_ranges(rows)} (counted over its files in "
+                "order). Look for NaN or infinite values in them, or lower the learning rates."
             )
         self.losses.append(loss)
         self.window.append((_gathered(output.logits), _gathered(output.labels)))

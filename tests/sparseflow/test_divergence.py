@@ -54,7 +54,8 @@ def test_a_nan_input_stops_training_and_keeps_the_last_good_checkpoint(small_run
     )
     with pytest.raises(
         _train.TrainingDivergedError,
-        match=rf"loss of step {BAD_BATCH + 1} \(global batch {BAD_BATCH} of the input\) is nan",
+        match=rf"loss of step {BAD_BATCH + 1} \(global batch {BAD_BATCH} of the input\) is nan.*"
+        rf"the dataset's records {BAD_BATCH * BATCH}-{(BAD_BATCH + 1) * BATCH - 1} \(",
     ):
         _train.train(config, options)
 
@@ -84,3 +85,15 @@ def test_non_finite_parameters_are_not_saved(small_run):
         assert checkpoints.steps() == []
     finally:
         checkpoints.close()
+
+
+@pytest.mark.parametrize(
+    ("indices", "text"),
+    [
+        ([7], "7"),
+        ([3, 1, 2, 9], "1-3, 9"),
+        (list(range(0, 40, 2)), "0, 2, 4, 6, 8, 10, 12, 14, ..."),
+    ],
+)
+def test_record_ranges(indices, text):
+    assert _train._ranges(np.array(indices)) == text
