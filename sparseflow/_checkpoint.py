@@ -2,9 +2,9 @@
 
 A checkpoint holds the dense state, the sharded embedding tables and slots,
 the SC/TC pipeline state (a pipelined run is saved mid-flight, not drained,
-so that a resumed run continues exactly), the input iterator's position, and
-the identity of the run that wrote it (`_run_identity`) with its arrays'
-layout.
+so that a resumed run continues exactly), every process's input iterator
+position, and the identity of the run that wrote it (`_run_identity`) with
+its arrays' layout.
 
 Orbax writes each step into a temporary directory and renames it when
 complete, so a crash mid-write leaves no checkpoint that looks finished; the
