@@ -66,7 +66,9 @@ def main() -> None:
     config = sparseflow.load_config(REPO / "configs" / "demo.yaml")
     _demo.ensure_data(config)
     data = str(config.dataset.dir / "arrayrecord")
-    fdo_dir, _ = _demo.run_fdo(config, data)  # the limits the demo trains with
+    fdo_dir, _ = _demo.run_fdo(
+        config, data, _demo.claim_run_dir(config)
+    )  # the limits the demo trains with
     figures = {
         "benchmark": "train",
         "config": "configs/demo.yaml",

@@ -7,7 +7,12 @@ dense features and labels.
 
 from pipelines._batching import BatchingConfig
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
-from pipelines._grain import GrainOptions, WorkerPriority, make_grain_iterator
+from pipelines._grain import (
+    GrainOptions,
+    WorkerPriority,
+    batch_record_indices,
+    make_grain_iterator,
+)
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput, PackedLayout, pack, packed_shape
 from pipelines._parse import (
@@ -50,6 +55,7 @@ __all__ = [
     "SyntheticDataset",
     "SyntheticFeature",
     "WorkerPriority",
+    "batch_record_indices",
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",

@@ -291,13 +291,7 @@ def grain_dataset(
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     reader = ArrayRecordReader(list_record_files(data))
-    num_records = reader.files.num_records
-    order = (
-        FileOrder()
-        if batching.shuffle_seed is None
-        else GrainShuffle(num_records, batching.shuffle_seed)
-    )
-    plan = BatchPlan(config=batching, num_records=num_records, order=order)
+    plan = _plan(reader, batching)
     stage = PreprocessStage(preprocess)
     buffers = _shared_buffers(preprocess, options)
     dataset = (
@@ -324,6 +318,27 @@ def grain_dataset(
             worker_init_fn=functools.partial(_init_worker, priority=options.worker_priority),
         )
     return dataset, plan, stage, buffers
+
+
+def _plan(reader: ArrayRecordReader, batching: BatchingConfig) -> BatchPlan:
+    num_records = reader.files.num_records
+    order = (
+        FileOrder()
+        if batching.shuffle_seed is None
+        else GrainShuffle(num_records, batching.shuffle_seed)
+    )
+    return BatchPlan(config=batching, num_records=num_records, order=order)
+
+
+def batch_record_indices(
+    data: PathOrPaths, batching: BatchingConfig, batch_number: int
+) -> np.ndarray:
+    """`int64[n]` the dataset records of this host's rows of a batch of `make_grain_iterator`.
+
+    A record's index counts the records of `data`'s files in order (the
+    planned records: a bad one skipped is replaced in its batch by another).
+    """
+    return _plan(ArrayRecordReader(list_record_files(data)), batching).record_indices(batch_number)
 
 
 def _shared_buffers(

@@ -1,25 +1,42 @@
-"""Orbax checkpoints of a training run, with fallback past damaged ones.
+"""Orbax checkpoints of one training run, with fallback past damaged ones.
 
 A checkpoint holds the dense state, the sharded embedding tables and slots,
 the SC/TC pipeline state (a pipelined run is saved mid-flight, not drained,
-so that a resumed run continues exactly), and the input iterator's position.
+so that a resumed run continues exactly), every process's input iterator
+position, and the identity of the run that wrote it (`_run_identity`) with
+its arrays' layout.
+
 Orbax writes each step into a temporary directory and renames it when
-complete, so a crash mid-write leaves no checkpoint that looks finished; a
-checkpoint damaged afterwards (a missing or truncated file) fails to restore,
-and the next older one is used, with a warning.
+complete, so a crash mid-write leaves no checkpoint that looks finished; the
+temporary directories such a crash leaves are removed when the folder is
+opened. A checkpoint damaged afterwards (a missing or truncated file) fails
+to restore, and the next older one is used, with a warning. A checkpoint of
+another run, or with other arrays, is an error, not damage: falling back
+would walk through every step and restart the run from scratch.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 
+from sparseflow import _hosts, _run_identity
+
 _log = logging.getLogger(__name__)
+
+# A step set aside while its replacement is written (`Checkpoints.save`).
+_SET_ASIDE = re.compile(r"^(\d+)\.replaced$")
+# Where orbax writes a step before renaming it to the step's number.
+_TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
 
 
 class Snapshot(NamedTuple):
@@ -28,8 +45,9 @@ class Snapshot(NamedTuple):
     Attributes:
       step: pipeline calls (or sequential steps) done.
       arrays: the pytree of arrays (dense state, tables, pipeline state).
-      iterator_state: the input iterator's position (opaque bytes).
-      metadata: small JSON-able facts (losses so far, config hash, ...).
+      iterator_state: this process's input iterator position (opaque bytes);
+        a checkpoint holds every process's.
+      metadata: small JSON-able facts (losses so far, the run's identity, ...).
     """
 
     step: int
@@ -39,36 +57,80 @@ class Snapshot(NamedTuple):
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint in the directory could be restored."""
+    """No checkpoint in the directory could be restored, or the processes disagree on them."""
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written by another run, or holds other arrays than this run's."""
+
+
+def check_fresh(directory: str | Path) -> None:
+    """Checks that a run starting afresh may write its checkpoints into `directory`.
+
+    Raises:
+      ValueError: `directory` holds anything (another run's checkpoints would
+        mix with this run's); the message says how to proceed.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    entries = sorted(entry.name for entry in directory.iterdir())
+    if entries:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ValueError(
+            f"Checkpoint folder {directory} is not empty ({shown}): it holds an earlier "
+            "run's checkpoints. Pass --resume to continue that run, or give this run an "
+            "empty or new --checkpoint-dir (delete the folder first if its run is no "
+            "longer needed)."
+        )
 
 
 class Checkpoints:
-    """Saves and restores `Snapshot`s in one directory.
+    """Saves and restores `Snapshot`s of one run in one directory.
+
+    Every process of the run opens it and makes every call, in the same order.
 
     Args:
       directory: where the checkpoints live (created if missing).
+      run: the identity of the run (`_run_identity.run_identity`): saved with
+        every checkpoint, and what a restored one must have been written by;
+        None to read a checkpoint of any run (to inspect it, not to resume).
       keep: how many recent checkpoints to keep.
     """
 
-    def __init__(self, directory: str | Path, *, keep: int = 3):
+    def __init__(self, directory: str | Path, *, run: Mapping[str, Any] | None, keep: int = 3):
+        self._directory = Path(directory).absolute()
+        self._run = None if run is None else dict(run)
+        if jax.process_index() == 0 and self._directory.is_dir():
+            _recover_from_crash(self._directory)
+        _hosts.barrier("sparseflow:checkpoints_recovered")
         self._manager = ocp.CheckpointManager(
-            Path(directory).absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            self._directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         )
+        # Restores read the items through their handlers, not the manager:
+        # the manager's restore ends in a barrier that a process whose read
+        # failed never reaches, so the others would wait there forever.
+        # `_hosts` agrees on the outcome instead.
+        self._arrays_handler = ocp.StandardCheckpointHandler()
+        self._metadata_handler = ocp.JsonCheckpointHandler()
 
     def save(self, snapshot: Snapshot) -> None:
-        """Writes `snapshot` (blocking until it is complete on disk)."""
+        """Writes `snapshot` (blocking until it is complete on disk).
+
+        A step already there (one a resumed run fell back past, as damaged)
+        is set aside, and deleted only once its replacement is complete.
+        """
+        # Only process 0 writes the metadata; each process reads its own position.
+        states = _hosts.gathered_bytes(snapshot.iterator_state)
         metadata = dict(
             snapshot.metadata,
-            iterator_state=base64.b64encode(snapshot.iterator_state).decode("ascii"),
+            run=self._run,
+            iterator_states=[base64.b64encode(state).decode("ascii") for state in states],
+            arrays_layout=_run_identity.array_layout(snapshot.arrays),
         )
+        set_aside = None
         if snapshot.step in self._manager.all_steps():
-            # Only a run resumed past a damaged checkpoint saves a step again.
-            self._manager.delete(snapshot.step)
+            set_aside = self._set_aside(snapshot.step)
         self._manager.save(
             snapshot.step,
             args=ocp.args.Composite(
@@ -78,45 +140,138 @@ class Checkpoints:
             force=True,
         )
         self._manager.wait_until_finished()
+        if set_aside is not None and jax.process_index() == 0:
+            shutil.rmtree(set_aside)
+
+    def _set_aside(self, step: int) -> Path:
+        set_aside = self._directory / f"{step}.replaced"
+        if jax.process_index() == 0:
+            os.rename(self._directory / str(step), set_aside)
+        _hosts.barrier(f"sparseflow:checkpoint_{step}_set_aside")
+        self._manager.reload()
+        return set_aside
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
     def restore_latest(self, like: Any) -> Snapshot | None:
-        """The newest checkpoint that restores, or None if there is none.
+        """The newest checkpoint that restores on every process, or None if there is none.
 
         Args:
           like: a pytree of arrays with the shapes, dtypes and shardings to
             restore into (e.g. the freshly initialized state).
 
         Raises:
-          CheckpointError: checkpoints exist but none restores.
+          CheckpointMismatchError: the newest readable checkpoint was written
+            by another run, or holds other arrays than `like`.
+          CheckpointError: checkpoints exist but none restores on every
+            process, or the processes see different checkpoints.
         """
         steps = self.steps()
+        if not _hosts.same_everywhere(steps):
+            raise CheckpointError(
+                f"The processes see different checkpoints in {self._directory} (this one: "
+                f"steps {steps}); every process must read the same checkpoint folder."
+            )
         errors = []
         for step in reversed(steps):
-            try:
-                restored = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        arrays=ocp.args.StandardRestore(_abstract(like)),
-                        metadata=ocp.args.JsonRestore(),
-                    ),
-                )
-            except Exception as e:  # noqa: BLE001 - any failure means "damaged": try older
-                _log.warning(
-                    "Checkpoint at step %d cannot be restored (%s); trying an older one.", step, e
-                )
-                errors.append(f"step {step}: {e}")
-                continue
-            metadata = dict(restored.metadata)
-            state = base64.b64decode(metadata.pop("iterator_state"))
-            # Orbax restores scalars onto one device; place every array as in `like`.
-            arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored.arrays, like)
-            return Snapshot(step, arrays, state, metadata)
+            snapshot, damage = self._restore(step, like)
+            if _hosts.all_true(snapshot is not None):
+                return snapshot
+            damage = damage or "it does not restore on another process"
+            _log.warning(
+                "Checkpoint at step %d cannot be restored (%s); trying an older one.", step, damage
+            )
+            errors.append(f"step {step}: {damage}")
         if steps:
             raise CheckpointError("No checkpoint could be restored: " + "; ".join(errors))
         return None
 
+    def _restore(self, step: int, like: Any) -> tuple[Snapshot | None, str | None]:
+        """The checkpoint at `step`, or None and why it is damaged.
+
+        Raises:
+          CheckpointMismatchError: it is of another run, on any process.
+        """
+        metadata, damage = self._metadata(step)
+        mismatch = None if metadata is None else _mismatch(metadata, like, self._run)
+        if not _hosts.all_true(mismatch is None):
+            raise CheckpointMismatchError(
+                f"The checkpoint at step {step} in {self._directory} "
+                f"{mismatch or 'is of another run on another process (see its error)'}. Resume "
+                "with the config and data it was written with, or give this run an empty or "
+                "new --checkpoint-dir."
+            )
+        if metadata is None:
+            return None, damage
+        try:
+            restored = self._arrays_handler.restore(
+                self._directory / str(step) / "arrays",
+                args=ocp.args.StandardRestore(_abstract(like)),
+            )
+        except Exception as e:  # noqa: BLE001 - the layout matches: a failure means damaged files
+            return None, str(e)
+        state = base64.b64decode(metadata.pop("iterator_states")[jax.process_index()])
+        # Orbax restores scalars onto one device; place every array as in `like`.
+        arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored, like)
+        return Snapshot(step, arrays, state, metadata), None
+
+    def _metadata(self, step: int) -> tuple[dict | None, str | None]:
+        try:
+            metadata = self._metadata_handler.restore(
+                self._directory / str(step) / "metadata", args=ocp.args.JsonRestore()
+            )
+        except Exception as e:  # noqa: BLE001 - any failure to read it means "damaged"
+            return None, str(e)
+        return dict(metadata), None
+
     def close(self) -> None:
         self._manager.close()
+        self._arrays_handler.close()
+
+
+def _mismatch(metadata: dict, like: Any, run: dict | None) -> str | None:
+    """How the checkpoint's run or arrays differ from this run's, or None."""
+    if run is not None:
+        if metadata.get("run") is None:
+            return "records no run identity (it was written by an earlier sparseflow)"
+        found = _run_identity.differences(metadata["run"], run)
+        if found:
+            return f"was written by another run: {_run_identity.describe(found)}"
+    found = _run_identity.differences(
+        metadata.get("arrays_layout", {}), _run_identity.array_layout(like), "arrays"
+    )
+    if found:
+        return f"holds other arrays than this run: {_run_identity.describe(found)}"
+    positions = len(metadata.get("iterator_states", []))
+    if jax.process_index() >= positions:
+        process = jax.process_index()
+        return f"holds the input positions of {positions} processes, not of process {process}"
+    return None
+
+
+def _recover_from_crash(directory: Path) -> None:
+    """Removes the steps a crash left unfinished, and finishes an interrupted replacement.
+
+    Of a replacement, the new step is kept if it was committed, else the old
+    one is put back. Orbax's own clean-up of unfinished steps runs in the
+    background, so a run could list them while it goes on; this one is done
+    before the folder is opened.
+    """
+    for entry in sorted(directory.iterdir()):
+        if _TEMPORARY.match(entry.name):
+            _log.info("Removing %s, a checkpoint a crash left unfinished.", entry)
+            shutil.rmtree(entry)
+    for entry in directory.iterdir():
+        match = _SET_ASIDE.match(entry.name)
+        if match is None:
+            continue
+        step = directory / match.group(1)
+        if step.exists():
+            shutil.rmtree(entry)
+        else:
+            os.rename(entry, step)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

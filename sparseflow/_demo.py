@@ -6,25 +6,44 @@
    with a progress bar, TensorBoard metrics and orbax checkpoints;
 4. AUC on the held-out split, and a summary.
 
-Artifacts go next to the dataset: `<dataset.dir>/../{fdo,checkpoints,metrics}`.
-A demo run starts from fresh checkpoints (it does not resume).
+Artifacts go to the demo's own run folder next to the dataset,
+`<dataset.dir>/../demo_run/{fdo,checkpoints,metrics}`, which every demo run
+empties first (it does not resume); a folder of that name the demo did not
+create is refused (`_demo_folder`).
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 import beam_jobs
 import embedding
-from sparseflow import _fdo_command, _stats_report, _train
+from sparseflow import _demo_folder, _fdo_command, _stats_report, _train
 from sparseflow._config import RunConfig
 from sparseflow._train_command import summary
 
+RUN_DIR_NAME = "demo_run"
+
 
 def run_dir(config: RunConfig) -> Path:
-    return config.dataset.dir.parent
+    """The demo's run folder: `demo_run` beside the dataset."""
+    folder = config.dataset.dir.parent / RUN_DIR_NAME
+    if folder == config.dataset.dir:
+        raise ValueError(
+            f"dataset.dir {config.dataset.dir} is the demo's run folder, which every demo "
+            "run empties; give the dataset another directory name."
+        )
+    return folder
+
+
+def claim_run_dir(config: RunConfig) -> Path:
+    """The demo's run folder, emptied of an earlier demo run's outputs (or created).
+
+    Raises:
+      ValueError: a folder of that name exists that the demo did not create.
+    """
+    return _demo_folder.claim(run_dir(config))
 
 
 def ensure_data(config: RunConfig) -> None:
@@ -38,12 +57,14 @@ def ensure_data(config: RunConfig) -> None:
         _stats_report.make_held_out(config)
 
 
-def run_fdo(config: RunConfig, data: str) -> tuple[Path, str]:
-    out = run_dir(config) / "fdo"
-    # Training merges every stats file of the directory (element-wise max):
-    # the files of earlier demo runs, perhaps of another config or dataset,
-    # would set this run's limits. The demo starts afresh, as its checkpoints do.
-    shutil.rmtree(out, ignore_errors=True)
+def run_fdo(config: RunConfig, data: str, folder: Path) -> tuple[Path, str]:
+    """Runs the FDO job into `folder/fdo`; returns that directory and a summary.
+
+    `folder` comes from `claim_run_dir`: training merges every stats file of
+    the directory (element-wise max), so stats of an earlier run, perhaps of
+    another config or dataset, must not be there.
+    """
+    out = folder / "fdo"
     result = beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(out))
     limits = embedding.fdo_limits(result.stats, headroom=config.training.fdo_headroom)
     lines = [f"FDO: {result.stats.batches} batches -> {result.stats_path}"]
@@ -59,12 +80,12 @@ def run_fdo(config: RunConfig, data: str) -> tuple[Path, str]:
 def run(config: RunConfig, *, progress: bool = True) -> str:
     """Runs the demo; returns its summary."""
     began = time.perf_counter()
+    folder = claim_run_dir(config)
     ensure_data(config)
     data = str(config.dataset.dir / "arrayrecord")
-    fdo_dir, fdo_summary = run_fdo(config, data)
+    fdo_dir, fdo_summary = run_fdo(config, data, folder)
     print(fdo_summary)
-    checkpoints = run_dir(config) / "checkpoints"
-    shutil.rmtree(checkpoints, ignore_errors=True)
+    checkpoints = folder / "checkpoints"
     result = _train.train(
         config,
         _train.TrainOptions(
@@ -72,7 +93,7 @@ def run(config: RunConfig, *, progress: bool = True) -> str:
             eval_data=str(_stats_report.held_out_dir(config) / "arrayrecord"),
             fdo_dir=fdo_dir,
             checkpoint_dir=checkpoints,
-            metrics_dir=run_dir(config) / "metrics",
+            metrics_dir=folder / "metrics",
             progress=progress,
         ),
     )
@@ -83,7 +104,7 @@ def run(config: RunConfig, *, progress: bool = True) -> str:
             f"{config.global_batch_size}, "
             f"{'pipelined' if config.training.pipelined else 'sequential'}",
             summary(config, result),
-            f"checkpoints: {checkpoints}   metrics: {run_dir(config) / 'metrics'}",
+            f"checkpoints: {checkpoints}   metrics: {folder / 'metrics'}",
             f"demo finished in {time.perf_counter() - began:.0f} s",
         ]
     )

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -29,8 +30,8 @@ import embedding
 import parallel
 import pipelines
 from parallel import allreduce
-from sparseflow import _model
-from sparseflow._checkpoint import Checkpoints, Snapshot
+from sparseflow import _model, _run_identity
+from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._config import RunConfig
 from sparseflow._metrics import MetricsWriter, Progress
 from sparseflow._steps import DenseInputs, Stages, init_train_state, replicate
@@ -48,8 +49,10 @@ class TrainOptions:
       steps: overrides `training.steps`.
       pipelined: overrides `training.pipelined`.
       fdo_dir: FDO stats to set the tables' limits from, or None.
-      checkpoint_dir: where checkpoints go, or None for none.
-      resume: continue from the newest checkpoint in `checkpoint_dir`.
+      checkpoint_dir: where checkpoints go, or None for none. Without
+        `resume` it must be empty or missing.
+      resume: continue from the newest checkpoint in `checkpoint_dir`, which
+        must have been written by this run (same layout config and data).
       metrics_dir: TensorBoard event files, or None.
       stop_after: end the process abruptly after this many steps (after the
         step's checkpoint, if one is due): what a crash leaves, for resume tests.
@@ -71,6 +74,10 @@ class TrainOptions:
     progress: bool = True
     agreement_port: int = 0
     agreement_hosts: Sequence[str] | None = None
+
+
+class TrainingDivergedError(ValueError):
+    """The loss or the parameters stopped being finite; nothing from that step on is saved."""
 
 
 class TrainResult(NamedTuple):
@@ -173,17 +180,9 @@ def _iterator(
         on_bad_record=pre.on_bad_record,
         agreement=_agreement(config, options),
     )
-    shuffle = training and config.training.shuffle
-    batching = pipelines.BatchingConfig(
-        global_batch_size=config.global_batch_size,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        num_epochs=config.training.epochs if training else 1,
-        shuffle_seed=config.seed if shuffle else None,
-    )
     host = pipelines.make_grain_iterator(
         data,
-        batching=batching,
+        batching=_batching(config, training=training),
         preprocess=preprocess,
         options=pipelines.GrainOptions(
             worker_count=config.training.workers if training else 0,
@@ -191,6 +190,29 @@ def _iterator(
         ),
     )
     return pipelines.DeviceIterator(host, mesh)
+
+
+def _batching(config: RunConfig, *, training: bool) -> pipelines.BatchingConfig:
+    shuffle = training and config.training.shuffle
+    return pipelines.BatchingConfig(
+        global_batch_size=config.global_batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        num_epochs=config.training.epochs if training else 1,
+        shuffle_seed=config.seed if shuffle else None,
+    )
+
+
+def _ranges(indices: np.ndarray, shown: int = 8) -> str:
+    """`[0, 1, 2, 7]` as `0-2, 7`: the first `shown` runs of consecutive sorted indices."""
+    values = np.sort(indices)
+    starts = np.flatnonzero(np.diff(values, prepend=values[0] - 2) != 1)
+    ends = np.append(starts[1:], len(values)) - 1
+    runs = [
+        f"{values[a]}" if a == b else f"{values[a]}-{values[b]}"
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    return ", ".join(runs[:shown]) + (", ..." if len(runs) > shown else "")
 
 
 def _gathered(x: jax.Array) -> np.ndarray:
@@ -247,7 +269,26 @@ class _Run:
         self.pipeline_state = arrays.get("pipeline")
 
     def record(self, output) -> None:
-        self.losses.append(float(output.loss))
+        """Keeps the loss and predictions of the next batch (batches train in order).
+
+        Raises:
+          TrainingDivergedError: the loss is NaN or infinite.
+        """
+        loss = float(output.loss)
+        if not math.isfinite(loss):
+            # losses[i] is the loss of global batch i, trained by step i + 1.
+            batch = len(self.losses)
+            rows = pipelines.batch_record_indices(
+                self.options.data, _batching(self.config, training=True), batch
+            )
+            raise TrainingDivergedError(
+                f"The loss of step {batch + 1} (global batch {batch} of the input) is {loss}; "
+                "training stopped without saving that step or any later one, so the last "
+                "checkpoint written is the last good one. This process's rows of that batch "
+                f"are the dataset's records {_ranges(rows)} (counted over its files in "
+                "order). Look for NaN or infinite values in them, or lower the learning rates."
+            )
+        self.losses.append(loss)
         self.window.append((_gathered(output.logits), _gathered(output.labels)))
 
     def window_auc(self) -> float:
@@ -300,12 +341,17 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     """Trains the recommender on `options.data` as `config` says.
 
     Raises:
-      ValueError: bad data, specs or options (the message says which).
+      ValueError: bad data, specs or options (the message says which); a
+        non-empty checkpoint folder without `resume`.
+      CheckpointMismatchError: `resume` with a checkpoint of another run.
       CheckpointError: `resume` with checkpoints none of which restores.
+      TrainingDivergedError: the loss or the parameters became non-finite.
     """
+    if options.checkpoint_dir is not None and not options.resume:
+        check_fresh(options.checkpoint_dir)
     mesh = make_mesh()
     run = _Run(config, options, mesh)
-    checkpoints = Checkpoints(options.checkpoint_dir) if options.checkpoint_dir else None
+    checkpoints = _checkpoints(run) if options.checkpoint_dir is not None else None
     metrics = MetricsWriter(options.metrics_dir if jax.process_index() == 0 else None)
     with _iterator(config, options, run.specs, mesh, options.data, training=True) as batches:
         n = _number_of_steps(run, batches)
@@ -341,6 +387,13 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         train_state=run.state,
         embedding_variables=run.tables,
     )
+
+
+def _checkpoints(run: _Run) -> Checkpoints:
+    identity = _run_identity.run_identity(
+        run.config, run.options.data, pipelined=run.pipelined, processes=jax.process_count()
+    )
+    return Checkpoints(run.options.checkpoint_dir, run=identity)
 
 
 def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics) -> float:
@@ -427,7 +480,19 @@ def _report(run: _Run, metrics, progress, logged: int) -> int:
     return trained
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
+    # A finite loss does not rule out an update that made parameters NaN.
+    if not bool(_all_finite((run.state, run.tables))):
+        raise TrainingDivergedError(
+            f"Parameters or optimizer slots are NaN or infinite after step {done} (with "
+            "finite losses); training stopped without saving them, so the last checkpoint "
+            "written is the last good one. Lower the learning rates."
+        )
     checkpoints.save(
         Snapshot(
             step=done,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 import jax
@@ -47,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-id", type=int, help="this process's index (several hosts)")
     parser.add_argument("--coordinator", help="host:port of process 0's coordinator")
     parser.add_argument(
+        "--coordinator-bind-address",
+        help="host:port process 0's coordinator listens on (default: --coordinator's address; "
+        "e.g. 0.0.0.0:PORT behind an address translation)",
+    )
+    parser.add_argument(
         "--agreement-port",
         type=int,
         default=0,
@@ -86,18 +92,23 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
                 "--agreement-port",
                 str(_launch.free_port_block(args.num_processes, _train.AGREEMENT_PORT_STRIDE)),
             ]
-        code = _launch.launch_local_processes(
-            argv, args.num_processes, per_process, _LAUNCH_TIMEOUT_S
-        )
-        if code:
-            raise SystemExit(code)
+        try:
+            _launch.launch_local_processes(argv, args.num_processes, per_process, _LAUNCH_TIMEOUT_S)
+        except _launch.ProcessFailedError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(error.exit_status) from error
         return
     # Only the CPU platform reads this; it must be set before JAX starts a backend.
     _launch.use_cpu_devices(per_process)
     if args.num_processes > 1:
         if args.coordinator is None:
             raise ValueError("--process-id needs --coordinator host:port.")
-        _launch.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        _launch.initialize_distributed(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            bind_address=args.coordinator_bind_address,
+        )
     result = _train.train(config, options(args, config))
     prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
     print(prefix + summary(config, result), flush=True)

@@ -267,7 +267,7 @@ def test_only_host_0_breaks_the_small_limits(setup):
 
 def _restore(config, data: Path, checkpoints: Path):
     run = _Run(config, TrainOptions(data=str(data)), make_mesh())
-    manager = Checkpoints(checkpoints)
+    manager = Checkpoints(checkpoints, run=None)  # inspected, not resumed
     try:
         snapshot = manager.restore_latest(run.arrays())
     finally:

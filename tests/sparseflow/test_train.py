@@ -5,59 +5,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
-import yaml
+from train_cases import cli as _cli
 
 import pipelines
-from sparseflow import _train, load_config
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _small_demo_config(tmp: Path, training: dict) -> Path:
-    """The demo config with its dataset in `tmp` and the given training section."""
-    raw = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    raw["dataset"] = {"dir": str(tmp / "data"), "examples": 5120, "eval_examples": 1024}
-    raw["training"] = training
-    # Without FDO buffer sizes, minibatching reserves room for 64 minibatches
-    # at the configured limits; these runs need no minibatching.
-    raw["preprocessing"]["enable_minibatching"] = False
-    path = tmp / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("train")
-    path = _small_demo_config(tmp, {"checkpoint_every": 2, "log_every": 2})
-    config = load_config(path)
-    pipelines.write_synthetic_dataset(
-        config.synthetic,
-        tmp / "data",
-        num_examples=5120,
-        seed=config.seed,
-        num_shards=2,
-        formats=("arrayrecord",),
-    )
-    return tmp, path, config, str(tmp / "data" / "arrayrecord")
-
-
-def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sparseflow", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+from sparseflow import _train
 
 
 def _leaves(result: _train.TrainResult) -> list[np.ndarray]:

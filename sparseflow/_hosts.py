@@ -1,0 +1,52 @@
+"""Agreement between the processes of a run: every process calls each function, in the same order.
+
+Each is a collective over all processes (one process: no communication).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def all_true(flag: bool) -> bool:
+    """Whether `flag` holds on every process."""
+    if jax.process_count() == 1:
+        return flag
+    flags = multihost_utils.process_allgather(np.array([flag], dtype=np.int32))
+    return bool(np.all(flags))
+
+
+def same_everywhere(value: Any) -> bool:
+    """Whether every process holds this JSON-able `value`."""
+    if jax.process_count() == 1:
+        return True
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).digest()
+    # Without x64, JAX arrays hold 32-bit integers: four bytes of the digest.
+    mine = np.frombuffer(digest[:4], dtype=np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    return bool(np.all(every == mine))
+
+
+def barrier(name: str) -> None:
+    """Returns once every process has reached the barrier `name`."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def gathered_bytes(value: bytes) -> list[bytes]:
+    """`value` of every process, in process order."""
+    if jax.process_count() == 1:
+        return [value]
+    lengths = np.asarray(
+        multihost_utils.process_allgather(np.array([len(value)], dtype=np.int32))
+    ).reshape(-1)
+    padded = np.zeros(int(lengths.max()), dtype=np.uint8)
+    padded[: len(value)] = np.frombuffer(value, dtype=np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [bytes(row[:length]) for row, length in zip(every, lengths, strict=True)]

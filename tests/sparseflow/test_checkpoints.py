@@ -1,0 +1,213 @@
+"""Checkpoint folders of one run: never mixed with another run's, never losing a committed step."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import portpicker
+import pytest
+import yaml
+from train_cases import cli, write_data
+
+from sparseflow import _train, load_config
+from sparseflow._checkpoint import CheckpointMismatchError, Checkpoints, Snapshot
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RUN = {"tables": {"users": {"vocabulary_size": 100}}, "dataset": {"part-0": {"bytes": 7}}}
+
+
+def _snapshot(step: int, value: float, shape=(64, 64)) -> Snapshot:
+    arrays = {"w": jnp.full(shape, value, jnp.float32)}
+    return Snapshot(step, arrays, b'{"next_batch": 1}', {"losses": [value]})
+
+
+def _saved(directory: Path, steps: dict[int, float]) -> None:
+    checkpoints = Checkpoints(directory, run=RUN)
+    for step, value in steps.items():
+        checkpoints.save(_snapshot(step, value))
+    checkpoints.close()
+
+
+def _restored(directory: Path, run=RUN, shape=(64, 64)) -> Snapshot:
+    checkpoints = Checkpoints(directory, run=run)
+    try:
+        return checkpoints.restore_latest(_snapshot(0, 0.0, shape).arrays)
+    finally:
+        checkpoints.close()
+
+
+def test_a_step_saved_again_is_kept_until_its_replacement_is_complete(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 1.0, 2: 2.0})
+    # Save step 2 again and die while orbax writes it.
+    crashed = subprocess.run(
+        [sys.executable, str(HERE / "checkpoint_process.py"), str(directory), "2", "20"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # This checkout's packages, not those of the environment's install.
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    assert any(".orbax-checkpoint-tmp" in p.name for p in directory.iterdir())
+
+    snapshot = _restored(directory)
+    assert snapshot.step == 2
+    np.testing.assert_array_equal(np.asarray(snapshot.arrays["w"]), 2.0)
+    # The crash's temporary folder and the set-aside step are gone.
+    assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+
+
+def test_a_step_saved_again_replaces_the_old_one(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 1.0, 2: 2.0})
+    _saved(directory, {2: 20.0})
+    snapshot = _restored(directory)
+    assert snapshot.step == 2
+    np.testing.assert_array_equal(np.asarray(snapshot.arrays["w"]), 20.0)
+    assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+
+
+def test_a_checkpoint_of_other_arrays_is_an_error_not_damage(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 1.0, 2: 2.0})
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"step 2 .* holds other arrays than this run: arrays\['w'\]: "
+        r"'float32\[64, 64\]' in the checkpoint, 'float32\[64, 32\]' in this run",
+    ):
+        _restored(directory, shape=(64, 32))
+
+
+def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 1.0, 2: 2.0})
+    other = {"tables": {"users": {"vocabulary_size": 200}}, "dataset": RUN["dataset"]}
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"was written by another run: "
+        r"tables\.users\.vocabulary_size: 100 in the checkpoint, 200 in this run\.",
+    ):
+        _restored(directory, run=other)
+
+
+def _train_options(data: str, checkpoints: Path, **overrides) -> _train.TrainOptions:
+    options = dict(data=data, steps=2, progress=False, pipelined=False, checkpoint_dir=checkpoints)
+    return _train.TrainOptions(**(options | overrides))
+
+
+def test_training_refuses_a_folder_of_earlier_checkpoints_without_resume(small_run):
+    tmp, _, config, data = small_run
+    checkpoints = tmp / "earlier_run"
+    _train.train(config, _train_options(data, checkpoints))
+    before = {p.name: p.stat().st_mtime_ns for p in checkpoints.rglob("*")}
+    with pytest.raises(ValueError, match=r"is not empty \(2\).*Pass --resume to continue"):
+        _train.train(config, _train_options(data, checkpoints))
+    assert {p.name: p.stat().st_mtime_ns for p in checkpoints.rglob("*")} == before
+
+
+def _other_config(tmp: Path, config_path: Path):
+    raw = yaml.safe_load(config_path.read_text())
+    raw["tables"][0]["vocabulary_size"] = 100_016
+    path = tmp / "other_tables.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path)
+
+
+@pytest.mark.parametrize("change", ["tables", "dataset"])
+def test_resume_refuses_the_checkpoints_of_another_run(small_run, change):
+    tmp, path, config, data = small_run
+    checkpoints = tmp / f"run_before_{change}_change"
+    _train.train(config, _train_options(data, checkpoints))
+    if change == "tables":
+        config = _other_config(tmp, path)
+        expected = r"tables\.users\.vocabulary_size: 100000 in the checkpoint, 100016 in this run"
+    else:
+        data = write_data(config, tmp / "other_data", seed=config.seed + 1)
+        expected = r"dataset\.part-00000-of-00002\.array_record\.sampled_sha256: '[0-9a-f]+' in"
+    with pytest.raises(CheckpointMismatchError, match=expected):
+        _train.train(config, _train_options(data, checkpoints, steps=4, resume=True))
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [2]
+
+
+def _train_two_processes(path: Path, data: str, checkpoints: Path, *extra: str):
+    return cli(
+        "train",
+        "--config",
+        str(path),
+        "--data",
+        data,
+        "--no-pipelined",
+        "--no-progress",
+        "--num-processes",
+        "2",
+        "--checkpoint-dir",
+        str(checkpoints),
+        *extra,
+        timeout=300,
+    )
+
+
+def test_a_two_process_run_resumes_past_a_damaged_checkpoint(small_run):
+    tmp, path, _, data = small_run
+    checkpoints = tmp / "two_processes"
+    done = _train_two_processes(path, data, checkpoints, "--steps", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Damage the files process 1 wrote of step 4.
+    damaged = [
+        f for f in (checkpoints / "4" / "arrays" / "ocdbt.process_1").rglob("*") if f.is_file()
+    ]
+    assert damaged
+    for file in damaged:
+        file.write_bytes(b"")
+
+    resumed = _train_two_processes(path, data, checkpoints, "--steps", "6", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fallbacks = [line for line in resumed.stderr.splitlines() if "cannot be restored" in line]
+    assert len(fallbacks) == 2, "\n".join(fallbacks)  # one per process
+    losses = dict(re.findall(r"\[process (\d)\] .*?loss ([0-9.]+)", resumed.stdout))
+    assert set(losses) == {"0", "1"} and losses["0"] == losses["1"], resumed.stdout
+    assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [2, 4, 6]
+
+
+def test_every_process_restores_the_same_step(tmp_path):
+    coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "checkpoint_hosts_process.py"), str(tmp_path), str(i)]
+            + [coordinator],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [process.communicate(timeout=180) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, stderr[-3000:]
+    restored = [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
+    # Process 0 reads step 4, but process 1 cannot: both restore step 2, each its own position.
+    assert restored == [
+        {"step": 2, "position": f"step 2 of process {i}", "value": 2.0} for i in range(2)
+    ]
+    assert "it does not restore on another process" in outputs[0][1]

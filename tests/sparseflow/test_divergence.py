@@ -1,0 +1,99 @@
+"""A run whose loss stops being finite stops, and its last checkpoint stays its last good one."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pipelines
+from pipelines._parse import DENSE_KEY
+from pipelines._records import RecordFileWriter
+from sparseflow import _train
+from sparseflow._checkpoint import Checkpoints
+
+BATCH = 512
+BAD_BATCH = 5
+
+
+def _with_nan_dense(data: str, out: Path, record_index: int) -> str:
+    """A copy of the ArrayRecord files of `data` with a NaN dense value in one record."""
+    out.mkdir()
+    index = 0
+    for path in pipelines.list_record_files(data):
+        with RecordFileWriter(out / Path(path).name) as writer:
+            for record in pipelines.read_records(path):
+                if index == record_index:
+                    example = tf.train.Example.FromString(record)
+                    example.features.feature[DENSE_KEY].float_list.value[0] = math.nan
+                    record = example.SerializeToString()
+                writer.write(record)
+                index += 1
+    return str(out)
+
+
+def _finite(tree) -> bool:
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
+
+
+def test_a_nan_input_stops_training_and_keeps_the_last_good_checkpoint(small_run):
+    tmp, _, config, data = small_run
+    # Unshuffled, record r is in global batch r // BATCH.
+    config = dataclasses.replace(
+        config, training=dataclasses.replace(config.training, shuffle=False)
+    )
+    bad_data = _with_nan_dense(data, tmp / "nan_data", BAD_BATCH * BATCH + 3)
+    checkpoints = tmp / "diverged"
+    options = _train.TrainOptions(
+        data=bad_data, steps=8, pipelined=False, progress=False, checkpoint_dir=checkpoints
+    )
+    with pytest.raises(
+        _train.TrainingDivergedError,
+        match=rf"loss of step {BAD_BATCH + 1} \(global batch {BAD_BATCH} of the input\) is nan.*"
+        rf"the dataset's records {BAD_BATCH * BATCH}-{(BAD_BATCH + 1) * BATCH - 1} \(",
+    ):
+        _train.train(config, options)
+
+    run = _train._Run(config, options, _train.make_mesh())
+    saved = Checkpoints(checkpoints, run=None)
+    try:
+        steps = saved.steps()
+        last = saved.restore_latest(run.arrays())
+    finally:
+        saved.close()
+    # Step 6, which trains batch 5, is not saved.
+    assert steps == [2, 4]
+    assert len(last.metadata["losses"]) == 4
+    assert all(math.isfinite(loss) for loss in last.metadata["losses"])
+    assert _finite((last.arrays["state"], last.arrays["tables"]))
+
+
+def test_non_finite_parameters_are_not_saved(small_run):
+    tmp, _, config, data = small_run
+    run = _train._Run(config, _train.TrainOptions(data=data, pipelined=False), _train.make_mesh())
+    name, variables = next(iter(run.tables.items()))
+    run.tables = dict(run.tables, **{name: variables._replace(table=variables.table * np.inf)})
+    checkpoints = Checkpoints(tmp / "non_finite", run=None)
+    try:
+        with pytest.raises(_train.TrainingDivergedError, match="NaN or infinite after step 3"):
+            _train._save(run, checkpoints, batches=None, done=3)
+        assert checkpoints.steps() == []
+    finally:
+        checkpoints.close()
+
+
+@pytest.mark.parametrize(
+    ("indices", "text"),
+    [
+        ([7], "7"),
+        ([3, 1, 2, 9], "1-3, 9"),
+        (list(range(0, 40, 2)), "0, 2, 4, 6, 8, 10, 12, 14, ..."),
+    ],
+)
+def test_record_ranges(indices, text):
+    assert _train._ranges(np.array(indices)) == text

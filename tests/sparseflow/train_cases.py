@@ -1,0 +1,66 @@
+"""A small copy of the demo config, its data, and the command line, for the training tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+import pipelines
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = 5120
+
+
+def small_demo_config(tmp: Path, training: dict, name: str = "config.yaml", **top) -> Path:
+    """The demo config with its dataset in `tmp`, the given training section and top-level keys."""
+    raw = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    raw["dataset"] = {"dir": str(tmp / "data"), "examples": EXAMPLES, "eval_examples": 1024}
+    raw["training"] = training
+    # Without FDO buffer sizes, minibatching reserves room for 64 minibatches
+    # at the configured limits; these runs need no minibatching.
+    raw["preprocessing"]["enable_minibatching"] = False
+    raw.update(top)
+    path = tmp / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def write_data(config, out: Path, *, examples: int = EXAMPLES, seed: int | None = None) -> str:
+    """The config's synthetic ArrayRecord data in `out`; returns its directory."""
+    pipelines.write_synthetic_dataset(
+        config.synthetic,
+        out,
+        num_examples=examples,
+        seed=config.seed if seed is None else seed,
+        num_shards=2,
+        formats=("arrayrecord",),
+    )
+    return str(out / "arrayrecord")
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m sparseflow ARGS` from the repository, its output captured.
+
+    It runs in a session of its own: on a timeout its local processes are
+    killed with it, not left running.
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sparseflow", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
