@@ -161,7 +161,11 @@ def _agreement(config: RunConfig, options: TrainOptions) -> allreduce.AllReduceC
     hosts = options.agreement_hosts or ["127.0.0.1"] * jax.process_count()
     if len(hosts) != jax.process_count():
         raise ValueError(f"{len(hosts)} agreement hosts given for {jax.process_count()} processes.")
-    return allreduce.AllReduceConfig(rank=jax.process_index(), peers=agreement_peers(hosts, port))
+    return allreduce.AllReduceConfig(
+        rank=jax.process_index(),
+        peers=agreement_peers(hosts, port),
+        security=config.training.agreement_security(run_id=config.config_hash),
+    )
 
 
 def _iterator(
