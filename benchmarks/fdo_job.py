@@ -1,7 +1,7 @@
 """FDO stats job throughput: Beam's in-process runner against a plain Python loop.
 
 Both compute the same stats over the same ArrayRecord files of the demo
-config (`configs/demo.yaml`: 10 features, 8 tables, 8 devices x 2
+config (`sparseflow/configs/demo.yaml`: 10 features, 8 tables, 8 devices x 2
 partitions, global batch 512): read, parse and check the records, form the
 global batches, lay every batch out with the online preprocessing, combine.
 The loop reads the files once, in order, in one process; the Beam job
@@ -31,10 +31,10 @@ import embedding
 import pipelines
 from beam_jobs._batch_stats import BatchStatsComputer
 from beam_jobs._batches import check_records, concat_rows, slice_rows
-from sparseflow import load_config
+from sparseflow import load_config, shipped_config
 from sparseflow._fdo_command import job_config
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+CONFIG = shipped_config("demo")
 _CHUNK = 8192
 
 

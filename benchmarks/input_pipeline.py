@@ -1,6 +1,6 @@
 """Input pipeline throughput and the input stall of the demo's training loop.
 
-Everything is the demo's (`configs/demo.yaml`: 10 features on 8 tables,
+Everything is the demo's (`sparseflow/configs/demo.yaml`: 10 features on 8 tables,
 global batch 512, 8 virtual CPU devices x 2 partitions, minibatching on):
 its training set is written to a temporary directory (the same records as
 `sparseflow demo` writes), the demo's FDO job runs over it, and the tables'
@@ -80,8 +80,9 @@ import pipelines  # noqa: E402
 from sparseflow import _fdo_command, _train  # noqa: E402
 from sparseflow._config import RunConfig, load_config  # noqa: E402
 from sparseflow._metrics import MetricsWriter  # noqa: E402
+from sparseflow._shipped_configs import shipped_config  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+CONFIG = shipped_config("demo")
 # Steps at the start of each block left out: the workers refill their buffers
 # there, or the CPU load still works off the previous block's requests.
 BLOCK_SETTLE_STEPS = 6

@@ -1,6 +1,6 @@
 """Preprocessing throughput: sparseflow against jax-tpu-embedding, side by side.
 
-The geometry of `configs/benchmark.yaml`: 8 tables of 1M rows, Zipf(1.1) ids,
+The geometry of `sparseflow/configs/benchmark.yaml`: 8 tables of 1M rows, Zipf(1.1) ids,
 1..20 ids per sample, 8 devices x 4 partitions, host batch 32768. Both
 libraries get identical batches and limits (taken from a stats pass over the
 same batches, as FDO would set them) and are timed interleaved, in one run.

@@ -63,7 +63,8 @@ def main() -> None:
     add_repeats_argument(parser)
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
-    config = sparseflow.load_config(REPO / "configs" / "demo.yaml")
+    # The demo's data where `make demo` writes it: runs/demo under the checkout.
+    config = sparseflow.load_config(sparseflow.shipped_config("demo"), relative_to=REPO)
     _demo.ensure_data(config)
     data = str(config.dataset.dir / "arrayrecord")
     fdo_dir, _ = _demo.run_fdo(
@@ -71,7 +72,7 @@ def main() -> None:
     )  # the limits the demo trains with
     figures = {
         "benchmark": "train",
-        "config": "configs/demo.yaml",
+        "config": "sparseflow/configs/demo.yaml",
         "steps": args.steps,
         "repeats": args.repeats,
     }

@@ -12,6 +12,8 @@ from sparseflow._config import (
     RunConfig,
     load_config,
 )
+from sparseflow._shipped_configs import shipped_config, shipped_config_names
+from sparseflow._version import __version__
 
 __all__ = [
     "ConfigError",
@@ -19,5 +21,8 @@ __all__ = [
     "MeshConfig",
     "PreprocessingConfig",
     "RunConfig",
+    "__version__",
     "load_config",
+    "shipped_config",
+    "shipped_config_names",
 ]

@@ -10,6 +10,11 @@
                    [--pipelined | --no-pipelined] [--fdo DIR] [--checkpoint-dir D]
                    [--resume] [--metrics-dir D] [--num-processes P]
                    [--agreement-tls-dir D] [--agreement-secret-file F]
+  sparseflow --version
+
+`--config` takes a YAML file or the name of a shipped config (`demo`,
+`benchmark`); a shipped config's relative paths (its dataset under
+`runs/<name>/data`) start from the working directory.
 
 A user error (a bad config, a missing file, a bad record, input the
 preprocessing rejects) prints one `error: ...` line and exits with status 2;
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,10 +33,23 @@ from pathlib import Path
 import pipelines
 from sparseflow import _demo, _fdo_command, _launch, _stats_report, _train_command
 from sparseflow._config import RunConfig, load_config
+from sparseflow._shipped_configs import shipped_config, shipped_config_names
+from sparseflow._version import __version__
 
-# The repository's configs; the package is installed from the source tree.
-DEFAULT_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEFAULT_CONFIG = "demo"
+_DEFAULT_CONFIG_HELP = "a YAML file or a shipped config's name (default: demo)"
 _USER_ERROR_EXIT = 2
+
+
+def load_cli_config(config: str | os.PathLike) -> RunConfig:
+    """The config `--config` names: a YAML file, else a shipped config by name.
+
+    A shipped config lives inside the installed package, so its relative
+    paths start from the working directory instead of its own folder.
+    """
+    if not os.path.exists(config) and os.fspath(config) in shipped_config_names():
+        return load_config(shipped_config(os.fspath(config)), relative_to=Path.cwd())
+    return load_config(config)
 
 
 def _positive_int(text: str) -> int:
@@ -57,12 +76,18 @@ def _parser() -> argparse.ArgumentParser:
         description="Input pipelines and sharded-embedding training for recommenders.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     make = commands.add_parser(
         "make-data", help="write a synthetic dataset for a config's features"
     )
-    make.add_argument("--config", type=Path, required=True, help="the run's YAML config")
+    make.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        help="the run's YAML config, or a shipped config's name (demo, benchmark)",
+    )
     make.add_argument(
         "--out", type=Path, help="output directory (default: the config's dataset.dir)"
     )
@@ -86,9 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the whole job on a config's synthetic data: make it if missing, run the "
         "FDO job, train pipelined, evaluate AUC on the held-out split",
     )
-    demo.add_argument(
-        "--config", type=Path, default=DEFAULT_DEMO_CONFIG, help="default: configs/demo.yaml"
-    )
+    demo.add_argument("--config", default=DEFAULT_CONFIG, help=_DEFAULT_CONFIG_HELP)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_run_demo)
 
@@ -97,9 +120,7 @@ def _parser() -> argparse.ArgumentParser:
         help="make the config's dataset if missing, then parse and preprocess it, "
         "and summarize every table",
     )
-    stats.add_argument(
-        "--config", type=Path, default=DEFAULT_DEMO_CONFIG, help="default: configs/demo.yaml"
-    )
+    stats.add_argument("--config", default=DEFAULT_CONFIG, help=_DEFAULT_CONFIG_HELP)
     stats.add_argument(
         "--batches", type=_positive_int, help="stop after N global batches (default: one pass)"
     )
@@ -166,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        args.run(args, load_config(args.config))
+        args.run(args, load_cli_config(args.config))
     # ConfigError, BadRecordError and the preprocessing's errors are ValueErrors.
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -8,7 +8,7 @@ path of the entry, e.g. `configs/x.yaml: features[3].table: unknown table
 'foo'; known tables: a, b`.
 
 Example:
-  >>> config = load_config("configs/demo.yaml")          # doctest: +SKIP
+  >>> config = load_config(shipped_config("demo"))       # doctest: +SKIP
   >>> config.feature_specs["user_id"].table_spec.name    # doctest: +SKIP
   'users'
 """
@@ -624,7 +624,7 @@ def _stacks(
 
 
 def _path(node: _Node, key: str, config_dir: Path) -> Path | None:
-    """The path at `key`, relative to the config file's directory; None when absent."""
+    """The path at `key`, relative to `config_dir`; None when absent."""
     value = _get(node, key, "str")
     return None if value is None else Path(os.path.abspath(config_dir / value))
 
@@ -632,8 +632,9 @@ def _path(node: _Node, key: str, config_dir: Path) -> Path | None:
 def _dataset(node: _Node, config_dir: Path) -> DatasetConfig:
     _mapping(node, ("dir", "examples", "eval_examples"), ("shards",))
     return DatasetConfig(
-        # A relative dir is relative to the config file, not to the working
-        # directory, so that every job finds the same data.
+        # A relative dir is relative to the config file (or the folder
+        # `load_config` was given), not to the working directory, so that
+        # every job finds the same data.
         dir=Path(os.path.abspath(config_dir / _get(node, "dir", "str"))),
         examples=_int(node, "examples"),
         eval_examples=_int(node, "eval_examples", minimum=0),
@@ -677,11 +678,17 @@ def _parse_yaml(path: Path, source: str) -> Any:
         raise ConfigError(source, "", f"invalid YAML: {e}") from e
 
 
-def load_config(path: str | os.PathLike) -> RunConfig:
+def load_config(
+    path: str | os.PathLike, *, relative_to: str | os.PathLike | None = None
+) -> RunConfig:
     """Loads and checks a run config.
 
     Args:
       path: the YAML file.
+      relative_to: the folder relative paths in the config (`dataset.dir`,
+        `training.agreement_*`) start from; default: the config file's folder.
+        The command line passes the working directory for a shipped config,
+        whose own folder is inside the installed package.
 
     Returns:
       The run's specs: tables, features (with the config's stacks applied),
@@ -693,6 +700,7 @@ def load_config(path: str | os.PathLike) -> RunConfig:
         file and the entry.
     """
     source = os.fspath(path)
+    base = Path(source).parent if relative_to is None else Path(relative_to)
     raw = _parse_yaml(Path(path), source)
     root = _Node(raw, source, "")
     _mapping(
@@ -739,14 +747,14 @@ def load_config(path: str | os.PathLike) -> RunConfig:
                 num_dense_features=_int(root, "dense_features", minimum=0),
             ),
         ),
-        dataset=_dataset(root.child("dataset"), Path(source).parent),
+        dataset=_dataset(root.child("dataset"), base),
         source_path=Path(os.path.abspath(source)),
         config_hash=hashlib.sha256(
             json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
         ).hexdigest(),
         model=_model(root.child("model")) if raw.get("model") is not None else ModelConfig(),
         training=(
-            _training(root.child("training"), Path(source).parent)
+            _training(root.child("training"), base)
             if raw.get("training") is not None
             else TrainingConfig()
         ),

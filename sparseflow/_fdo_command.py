@@ -37,7 +37,12 @@ def _headroom(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `fdo` subcommand's arguments."""
-    parser.add_argument("--config", type=Path, required=True, help="the run's YAML config")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        help="the run's YAML config, or a shipped config's name (demo, benchmark)",
+    )
     parser.add_argument(
         "--data",
         nargs="+",

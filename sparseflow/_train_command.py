@@ -17,7 +17,12 @@ _LAUNCH_TIMEOUT_S = 6 * 3600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, required=True, help="the run's YAML config")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        help="the run's YAML config, or a shipped config's name (demo, benchmark)",
+    )
     parser.add_argument(
         "--data", help="training ArrayRecord files, dir or glob (default: the config's dataset)"
     )

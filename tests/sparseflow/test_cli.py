@@ -8,9 +8,9 @@ import yaml
 from array_record.python import array_record_module
 
 import pipelines
-from sparseflow import _cli, _stats_report, load_config
+import sparseflow
+from sparseflow import _cli, _stats_report, load_config, shipped_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BATCH = 32
 
 
@@ -197,9 +197,27 @@ def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
         _cli.main(["stats", "--config", str(_config(tmp_path))])
 
 
-def test_demo_defaults_to_the_shipped_demo_config():
-    assert _cli.DEFAULT_DEMO_CONFIG == CONFIGS / "demo.yaml"
-    assert _cli._parser().parse_args(["demo"]).config == CONFIGS / "demo.yaml"
+@pytest.mark.parametrize("command", ["demo", "stats"])
+def test_the_default_config_is_the_shipped_demo_with_data_in_the_working_directory(
+    command, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = _cli.load_cli_config(_cli._parser().parse_args([command]).config)
+    assert config.source_path == shipped_config("demo")
+    assert config.dataset.dir == tmp_path / "runs" / "demo" / "data"
+
+
+def test_a_file_named_like_a_shipped_config_is_read_as_the_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("demo").write_text(_config(tmp_path).read_text())
+    assert _cli.load_cli_config("demo").name == "tiny"
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"sparseflow {sparseflow.__version__}\n"
 
 
 _NEGATIVE_IDS = {

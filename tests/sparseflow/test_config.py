@@ -10,9 +10,7 @@ import yaml
 import embedding
 import pipelines
 from embedding import initializers
-from sparseflow import ConfigError, load_config
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from sparseflow import ConfigError, load_config, shipped_config
 
 
 def _base() -> dict:
@@ -431,15 +429,27 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "no.yaml")
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "benchmark.yaml"])
-def test_shipped_configs_load(name):
-    config = load_config(CONFIGS / name)
-    assert config.name == Path(name).stem
-    assert config.dataset.dir == CONFIGS.parent / "runs" / config.name / "data"
+@pytest.mark.parametrize("name", ["demo", "benchmark"])
+def test_shipped_configs_load(name, tmp_path):
+    config = load_config(shipped_config(name), relative_to=tmp_path)
+    assert config.name == name
+    assert config.dataset.dir == tmp_path / "runs" / name / "data"
+
+
+def test_relative_paths_start_from_the_config_file_by_default():
+    config = load_config(shipped_config("demo"))
+    assert config.dataset.dir == shipped_config("demo").parent / "runs" / "demo" / "data"
+
+
+def test_unknown_shipped_config_names_the_shipped_ones():
+    with pytest.raises(
+        ValueError, match="no shipped config named 'dem'; shipped configs: benchmark, demo"
+    ):
+        shipped_config("dem")
 
 
 def test_demo_config_has_the_documented_shape():
-    config = load_config(CONFIGS / "demo.yaml")
+    config = load_config(shipped_config("demo"))
     assert (len(config.tables), len(config.feature_specs)) == (8, 10)
     assert (config.mesh.devices, config.mesh.partitions_per_device) == (8, 2)
     assert config.global_batch_size in (256, 512)
@@ -461,10 +471,10 @@ def test_demo_config_has_the_documented_shape():
     assert config.training.worker_priority is pipelines.WorkerPriority.IDLE
 
 
-@pytest.mark.parametrize("name", ["demo.yaml"])
+@pytest.mark.parametrize("name", ["demo"])
 def test_shipped_limits_cannot_be_exceeded(name):
     """Every stack's limits cover the most ids one partition slot can receive."""
-    config = load_config(CONFIGS / name)
+    config = load_config(shipped_config(name))
     mesh = config.mesh
     prepared = embedding.prepare_feature_specs_for_training(
         config.feature_specs, mesh.devices, mesh.partitions_per_device
@@ -481,7 +491,7 @@ def test_shipped_limits_cannot_be_exceeded(name):
 
 
 def test_benchmark_config_has_the_benchmark_geometry():
-    config = load_config(CONFIGS / "benchmark.yaml")
+    config = load_config(shipped_config("benchmark"))
     assert (config.mesh.devices, config.mesh.partitions_per_device) == (8, 4)
     assert config.global_batch_size == 32768
     assert [(t.vocabulary_size, t.embedding_dim) for t in config.tables.values()] == [

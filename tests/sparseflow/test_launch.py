@@ -12,7 +12,7 @@ from pathlib import Path
 import portpicker
 import pytest
 
-from sparseflow import _launch
+from sparseflow import _launch, shipped_config
 
 REPO = Path(__file__).resolve().parents[2]
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
@@ -61,7 +61,7 @@ def test_train_fails_when_a_local_process_is_killed(tmp_path):
             "sparseflow",
             "train",
             "--config",
-            str(REPO / "configs" / "demo.yaml"),
+            str(shipped_config("demo")),
             "--data",
             str(tmp_path),
             "--no-progress",

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from sparseflow import _train_command, load_config
+from sparseflow import _train_command, load_config, shipped_config
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+CONFIG = shipped_config("demo")
 
 
 def parse(*argv):

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 import pipelines
+from sparseflow import shipped_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = 5120
@@ -18,7 +19,7 @@ EXAMPLES = 5120
 
 def small_demo_config(tmp: Path, training: dict, name: str = "config.yaml", **top) -> Path:
     """The demo config with its dataset in `tmp`, the given training section and top-level keys."""
-    raw = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    raw = yaml.safe_load(shipped_config("demo").read_text())
     raw["dataset"] = {"dir": str(tmp / "data"), "examples": EXAMPLES, "eval_examples": 1024}
     raw["training"] = training
     # Without FDO buffer sizes, minibatching reserves room for 64 minibatches
