@@ -1,4 +1,4 @@
-"""Offline FDO statistics with Apache Beam (DESIGN.md section 8).
+"""Offline FDO statistics with Apache Beam (docs/design.md section 8).
 
 `run_fdo_job` reads a dataset, forms the run's global batches, lays them out
 with the online preprocessing and writes an FDO stats file

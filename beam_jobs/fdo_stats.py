@@ -1,4 +1,4 @@
-"""The offline FDO statistics job (DESIGN.md section 8).
+"""The offline FDO statistics job (docs/design.md section 8).
 
 Reads a dataset of `tf.train.Example` records (ArrayRecord or TFRecord),
 forms the run's global batches (file order, bad records skipped, the last

@@ -1,4 +1,4 @@
-"""The per-device CSR layout of one stacked table (DESIGN.md section 2).
+"""The per-device CSR layout of one stacked table (docs/design.md section 2).
 
 Entries of the whole host batch of one stacked table are packed into 64-bit
 keys (slot, partition, local id, sample) and sorted once; merging, limits and

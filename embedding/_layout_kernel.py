@@ -3,7 +3,7 @@
 Everything before it (packing keys, sorting) and after it (stats, row
 pointers) is numpy. Doing merging, limits and the buffer scatter in numpy
 takes a dozen passes over the entries; here it is one, which is what lets the
-host keep up with the devices (DESIGN.md section 10).
+host keep up with the devices (docs/design.md section 10).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def pack_feature_keys(
 
     Row r goes to slot `r // samples_per_slot` as sample `r % samples_per_slot
     + sample_offset`; id i becomes column `((i + col_shift) & (N-1)) +
-    (i & ~(N-1)) + col_offset` (DESIGN.md section 2, step 2), whose partition
+    (i & ~(N-1)) + col_offset` (docs/design.md section 2, step 2), whose partition
     is `col & (N-1)` and local id `col >> log2(N)`.
 
     Args:

@@ -2,7 +2,7 @@
 
 Inside `jax.shard_map` over the 1-D mesh, every device, for all stacked
 tables at once:
-1. reads its layout (DESIGN.md section 2): per slot, per partition, entries
+1. reads its layout (docs/design.md section 2): per slot, per partition, entries
    `(local id, sample, gain)` sorted by local id, so entries of one row are
    adjacent and the distinct rows per owner device come out of one pass
    (`_routing`);
@@ -14,7 +14,7 @@ tables at once:
 5. cuts the slot's samples into the stack's features.
 
 All buffers have static shapes from the specs' limits and the layout's buffer
-size. A minibatched layout (DESIGN.md section 3) holds, per slot, the
+size. A minibatched layout (docs/design.md section 3) holds, per slot, the
 segments of minibatch 0 (partitions 0..N-1), then of minibatch 1, and so on;
 the forward routes and looks up one minibatch at a time and adds up the
 activations, and the update (`_update.py`) applies the minibatches one after

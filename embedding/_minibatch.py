@@ -1,4 +1,4 @@
-"""Minibatching: splitting a batch whose partitions exceed the limits (DESIGN.md section 3).
+"""Minibatching: splitting a batch whose partitions exceed the limits (docs/design.md section 3).
 
 Every column (row of a stacked table) is hashed into one of 64 buckets. A
 63-bit split mask over the binary tree of the buckets says where the bucket
@@ -40,7 +40,7 @@ SPLIT_BITS = 63
 
 
 class AllReduceInterface(Protocol):
-    """Cross-host OR agreement, as the preprocessing calls it (DESIGN.md section 4).
+    """Cross-host OR agreement, as the preprocessing calls it (docs/design.md section 4).
 
     Every host (and each of its K local contributors) calls a method with the
     same key for the same round; every call returns the OR over all of them.

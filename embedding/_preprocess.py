@@ -2,7 +2,7 @@
 
 `preprocess_sparse_dense_matmul_input` takes the same arguments as
 jax-tpu-embedding's function of that name and returns the same layout
-(DESIGN.md section 2), with two differences a user can rely on: ids are
+(docs/design.md section 2), with two differences a user can rely on: ids are
 checked against the vocabulary, and a limit breach with dropping off raises a
 `ValueError` that names the table, device, slot and partition instead of
 aborting the process.
@@ -316,7 +316,7 @@ def preprocess_sparse_dense_matmul_input(
       batch_number: the batch's index; keys the cross-host agreement, so every
         host must pass the same number for the same global batch.
       enable_minibatching: split a batch that exceeds a limit into minibatches
-        (DESIGN.md section 3) instead of dropping or raising. Outputs then have
+        (docs/design.md section 3) instead of dropping or raising. Outputs then have
         row pointers for 64 minibatches (static shapes) and `num_minibatches`
         says how many are used.
       all_reduce_interface: cross-host agreement, required for minibatching

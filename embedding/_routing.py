@@ -1,6 +1,6 @@
 """Reading one device's layout and routing its rows (inside `shard_map`).
 
-Per slot and minibatch, the layout's entries (DESIGN.md section 2) are
+Per slot and minibatch, the layout's entries (docs/design.md section 2) are
 sorted by partition and local id, so the distinct rows each owner device
 must send come out of one pass: `route` (XLA) or `_cpu_kernels.route`. Both
 paths share the phases of a minibatch, for the lookup and for the update:

@@ -1,4 +1,4 @@
-"""Table and feature specs (DESIGN.md section 1).
+"""Table and feature specs (docs/design.md section 1).
 
 `TableSpec` and `FeatureSpec` accept the keywords of jax-tpu-embedding's
 classes of the same names. Unlike those, they are frozen: the stacking

@@ -1,4 +1,4 @@
-"""Feature stacking and table stacking (DESIGN.md section 1).
+"""Feature stacking and table stacking (docs/design.md section 1).
 
 Feature stacking: features that read the same table share one physical table;
 their samples are concatenated (ordered by feature name), each feature offset

@@ -1,6 +1,6 @@
 """Embedding variables: stacked tables MOD-sharded row-wise over a 1-D mesh.
 
-The sharded row order (DESIGN.md sections 1 and 5). With `G` devices and `S`
+The sharded row order (docs/design.md sections 1 and 5). With `G` devices and `S`
 partitions per device there are `N = G * S` partitions. Id `i` of a table
 stacked with row offset `o` (`setting_in_stack.row_offset_in_shard`) and
 rotation `r` (`setting_in_stack.shard_rotation`) lives in partition

@@ -1,4 +1,4 @@
-"""One host's endpoint of the cross-host OR all-reduce (DESIGN.md section 4).
+"""One host's endpoint of the cross-host OR all-reduce (docs/design.md section 4).
 
 Flow of one key on host i of N, with K local contributors:
   1. each local thread calls `contribute` (or `all_reduce`); the values are

@@ -1,6 +1,6 @@
 """Test cases and float64 numpy references for the sharded lookup and updates.
 
-The references are written from the math (DESIGN.md sections 1 and 5, the
+The references are written from the math (docs/design.md sections 1 and 5, the
 optimizers' papers and TensorFlow's `ApplyFtrl` documentation), on dense
 logical tables, with explicit loops over samples and ids; they share nothing
 with the implementation.

@@ -1,4 +1,4 @@
-"""A slow, direct reading of DESIGN.md section 2: the oracle of the layout tests.
+"""A slow, direct reading of docs/design.md section 2: the oracle of the layout tests.
 
 Plain loops over Python lists and dicts, one step of the design text per
 helper, so that a reader can check it against the text line by line. It takes

@@ -1,4 +1,4 @@
-"""Small layouts derived by hand from DESIGN.md section 2.
+"""Small layouts derived by hand from docs/design.md section 2.
 
 Notation in the derivations: N partitions, S slots per device, n samples per
 slot; an id becomes col -> (partition col % N, local id col // N); an entry is

@@ -26,7 +26,7 @@ def _gather(variables, specs, mesh, slots, field="table"):
 
 
 def _sharded_row(table: embedding.TableSpec, ids: np.ndarray, partitions: int) -> np.ndarray:
-    """DESIGN.md section 1 and 5: partition (id + rotation) mod N, local row
+    """docs/design.md sections 1 and 5: partition (id + rotation) mod N, local row
     offset + id div N; physical row partition * R + local row."""
     setting = table.setting_in_stack
     rows_per_partition = table.stacked_table_spec.stack_vocab_size // partitions
