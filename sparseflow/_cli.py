@@ -33,7 +33,7 @@ from pathlib import Path
 import pipelines
 from sparseflow import _demo, _fdo_command, _launch, _stats_report, _train_command
 from sparseflow._config import RunConfig, load_config
-from sparseflow._shipped_configs import shipped_config, shipped_config_names
+from sparseflow._shipped_configs import shipped_config
 from sparseflow._version import __version__
 
 DEFAULT_CONFIG = "demo"
@@ -46,10 +46,15 @@ def load_cli_config(config: str | os.PathLike) -> RunConfig:
 
     A shipped config lives inside the installed package, so its relative
     paths start from the working directory instead of its own folder.
+
+    Raises:
+      ValueError: a bare name that no shipped config has (the message lists
+        them); ConfigError for a file, as `load_config`.
     """
-    if not os.path.exists(config) and os.fspath(config) in shipped_config_names():
-        return load_config(shipped_config(os.fspath(config)), relative_to=Path.cwd())
-    return load_config(config)
+    text = os.fspath(config)
+    if os.path.exists(text) or os.sep in text or text.endswith((".yaml", ".yml")):
+        return load_config(text)
+    return load_config(shipped_config(text), relative_to=Path.cwd())
 
 
 def _positive_int(text: str) -> int:

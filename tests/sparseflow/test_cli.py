@@ -213,6 +213,22 @@ def test_a_file_named_like_a_shipped_config_is_read_as_the_file(tmp_path, monkey
     assert _cli.load_cli_config("demo").name == "tiny"
 
 
+def test_an_unknown_config_name_is_a_user_error_listing_the_shipped_ones(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    assert _cli.main(["stats", "--config", "dem"]) == 2
+    assert "no shipped config named 'dem'; shipped configs: benchmark, demo" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_missing_yaml_file_is_a_config_error_naming_it(tmp_path, capsys):
+    missing = tmp_path / "demo.yaml"
+    assert _cli.main(["stats", "--config", str(missing)]) == 2
+    assert f"{missing}: cannot read" in capsys.readouterr().err
+
+
 def test_version_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _cli.main(["--version"])
