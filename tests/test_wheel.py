@@ -50,8 +50,8 @@ def venv(wheel, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("venv") / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", root, cwd=root.parent)
     python = root / "bin" / "python"
-    # Installed before the dependencies are visible, so pip cannot take this
-    # venv's own editable sparseflow for the wheel's.
+    # Installed before the dependencies are visible: pip would otherwise find
+    # the test interpreter's own (editable) sparseflow and skip the wheel.
     _run(
         sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
         "-q", wheel, cwd=root.parent,
@@ -60,9 +60,9 @@ def venv(wheel, tmp_path_factory) -> Path:
         python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=root.parent
     ).stdout.strip()
     # A venv made by a venv's python sees the base interpreter's packages, not
-    # this venv's (--system-site-packages would not help): a .pth file adds
-    # them after the venv's own, without their .pth files (the editable
-    # install's finder among them).
+    # the test interpreter's (so --system-site-packages would not help): a
+    # .pth file adds those after the new venv's own, without processing their
+    # .pth files (the editable install's finder among them).
     Path(purelib, "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return root
 
