@@ -29,7 +29,7 @@ def dask_cluster(
     *,
     address: str | None = None,
     workers: int = 2,
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    connect_timeout_s: float | None = None,
 ) -> Iterator[str]:
     """Yields a Dask scheduler's address: `address`, or a local cluster's.
 
@@ -38,14 +38,15 @@ def dask_cluster(
         a local cluster.
       workers: worker processes of the local cluster (one thread each);
         unused with an `address`.
-      connect_timeout_s: how long to wait for the scheduler at `address`.
+      connect_timeout_s: how long to wait for the scheduler at `address`
+        (default: `DEFAULT_CONNECT_TIMEOUT_S`).
 
     Raises:
       ValueError: `workers` below 1, or no scheduler answers at `address`
         (the message names it).
     """
     if address is not None:
-        _check_reachable(address, connect_timeout_s)
+        _check_reachable(address, connect_timeout_s or DEFAULT_CONNECT_TIMEOUT_S)
         yield address
         return
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:

@@ -15,10 +15,12 @@ Outputs in `out_dir`:
                                       object per bad record, in no order
 
 Runs in process on Beam's FnApiRunner (the engine of Beam's DirectRunner for
-batch pipelines) unless the pipeline arguments name another runner
-(`--runner FlinkRunner`, `SparkRunner`, `DataflowRunner` with their usual
-options); `--direct_num_workers N --direct_running_mode multi_processing` (or
-`multi_threading`) spreads it over local processes (or threads).
+batch pipelines) unless the pipeline arguments name another runner: on a Dask
+cluster with `--runner=beam_jobs.dask_runner.DaskRunner
+--dask_client_address=tcp://HOST:8786` (see `beam_jobs.dask_cluster`), or on
+`FlinkRunner`, `SparkRunner`, `DataflowRunner` with their usual options;
+`--direct_num_workers N --direct_running_mode multi_processing` (or
+`multi_threading`) spreads the in-process run over local processes (or threads).
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ def run_fdo_job(
         (see `pipelines.list_record_files`), read in the listed order.
       out_dir: output directory (local or any Beam filesystem, e.g. gs://...).
       pipeline_args: Beam pipeline options, e.g. `["--direct_num_workers=2",
-        "--direct_running_mode=multi_processing"]` or `["--runner=FlinkRunner",
+        "--direct_running_mode=multi_processing"]`,
+        `["--runner=beam_jobs.dask_runner.DaskRunner",
+        "--dask_client_address=tcp://host:8786"]` or `["--runner=FlinkRunner",
         "--flink_master=host:8081"]`.
 
     Returns:

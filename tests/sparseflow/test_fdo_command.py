@@ -1,7 +1,10 @@
 """`sparseflow fdo`: the offline FDO job from the command line."""
 
+import json
+import socket
 from pathlib import Path
 
+import pytest
 import yaml
 
 import embedding
@@ -87,3 +90,49 @@ def test_fdo_without_record_files_is_a_user_error(tmp_path, capsys):
     )
     assert status == 2
     assert capsys.readouterr().err.startswith("error: No files match")
+
+
+def _stats_document(out: Path) -> dict:
+    (path,) = out.glob("fdo_stats-offline-*.json")
+    return json.loads(path.read_text())
+
+
+def test_fdo_on_a_local_dask_cluster_writes_the_in_process_stats(tmp_path, capsys):
+    pytest.importorskip("distributed")
+    config_path = _config(tmp_path)
+    config = load_config(config_path)
+    pipelines.write_synthetic_dataset(
+        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+    )
+    runs = {
+        "in_process": [],
+        "dask": ["--runner", "dask", "--dask-workers", "2"],
+    }
+    for name, runner_args in runs.items():
+        out = tmp_path / name
+        status = _cli.main(["fdo", "--config", str(config_path), "--out", str(out), *runner_args])
+        assert status == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert printed.count("4 global batches of 32 from 150 records (0 bad, 22 after") == 2
+    in_process, on_dask = (_stats_document(tmp_path / name) for name in runs)
+    assert in_process == on_dask and on_dask["batches"] == 4
+
+
+def test_fdo_names_an_unreachable_dask_scheduler_in_one_line(tmp_path, capsys, monkeypatch):
+    dask_cluster = pytest.importorskip("beam_jobs.dask_cluster")
+    monkeypatch.setattr(dask_cluster, "DEFAULT_CONNECT_TIMEOUT_S", 1.0)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{unused.getsockname()[1]}"
+    argv = ["fdo", "--config", str(_config(tmp_path)), "--runner", "dask"]
+    status = _cli.main([*argv, "--dask-address", address])
+    error = capsys.readouterr().err
+    assert status == 2
+    assert error.startswith(f"error: No Dask scheduler answers at {address}")
+    assert error.count("\n") == 1, error
+
+
+def test_dask_options_without_the_dask_runner_are_a_user_error(tmp_path, capsys):
+    argv = ["fdo", "--config", str(_config(tmp_path)), "--dask-workers", "2"]
+    assert _cli.main(argv) == 2
+    assert "need --runner dask" in capsys.readouterr().err
