@@ -21,6 +21,7 @@ import numpy as np
 
 from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry
+from embedding._fdo_layout import FdoLayout
 from embedding._preprocess import SparseDenseMatmulInputStats
 
 _log = logging.getLogger(__name__)
@@ -73,7 +74,11 @@ def merge_fdo_stats(stats: Sequence[FdoStats]) -> FdoStats:
     }
     batches = max(s.batches for s in stats)
     return FdoStats(
-        config_hash=first.config_hash, geometry=first.geometry, batches=batches, stacks=stacks
+        config_hash=first.config_hash,
+        geometry=first.geometry,
+        batches=batches,
+        stacks=stacks,
+        layout=first.layout,
     )
 
 
@@ -126,13 +131,15 @@ def _read_stats_file(path: str) -> FdoStats:
 
 
 def _check_expected(
-    path: str, stats: FdoStats, config_hash: str | None, geometry: FdoGeometry | None
+    path: str, stats: FdoStats, expected: str | FdoLayout | None, geometry: FdoGeometry | None
 ) -> None:
-    if config_hash is not None and stats.config_hash != config_hash:
+    if isinstance(expected, FdoLayout):
+        _check_layout(path, stats, expected)
+    elif expected is not None and stats.config_hash != expected:
         raise FdoStatsError(
             path,
             f"computed for config hash {stats.config_hash[:16]}..., expected "
-            f"{config_hash[:16]}... (the config changed since); rerun `sparseflow fdo` "
+            f"{expected[:16]}... (the config changed since); rerun `sparseflow fdo` "
             "for this config.",
         )
     if geometry is not None and stats.geometry != geometry:
@@ -145,10 +152,23 @@ def _check_expected(
         raise FdoStatsError(path, f"computed for another batch geometry: {differences}.")
 
 
+def _check_layout(path: str, stats: FdoStats, layout: FdoLayout) -> None:
+    if not stats.layout:  # written before stats carried their layout
+        changed = "the stats hold no layout"
+    elif FdoLayout(entries=stats.layout).key == layout.key:
+        return
+    else:
+        changed = "; ".join(layout.differences(stats.layout))
+    raise FdoStatsError(
+        path,
+        f"computed for another batch layout ({changed}); rerun `sparseflow fdo` for this config.",
+    )
+
+
 def load_fdo_stats(
     path: str | os.PathLike,
     *,
-    expected_config_hash: str | None,
+    expected_config_hash: str | FdoLayout | None,
     expected_geometry: FdoGeometry | None,
     on_mismatch: OnMismatch | str = OnMismatch.RAISE,
 ) -> FdoStats | None:
@@ -156,7 +176,10 @@ def load_fdo_stats(
 
     Args:
       path: a stats file, or a directory of them (see `fdo_stats_file_name`).
-      expected_config_hash: the run's config hash, or None to accept any.
+      expected_config_hash: the run's layout (`FdoLayout`: stats of another
+        layout are refused, naming the entries that changed; the rest of
+        the config may differ), the run's config hash (the whole config
+        must be the same), or None to accept any.
       expected_geometry: the run's geometry, or None to accept any.
       on_mismatch: "raise", or "warn_and_default" to log a warning and
         return None (keep the configured limits) instead.
@@ -179,7 +202,7 @@ def load_fdo_stats(
         return None
 
 
-def _load(path: str, config_hash: str | None, geometry: FdoGeometry | None) -> FdoStats:
+def _load(path: str, expected: str | FdoLayout | None, geometry: FdoGeometry | None) -> FdoStats:
     if os.path.isdir(path):
         files = _newest_files(path)
         if not files:
@@ -191,7 +214,7 @@ def _load(path: str, config_hash: str | None, geometry: FdoGeometry | None) -> F
     loaded = []
     for file in files:
         stats = _read_stats_file(file)
-        _check_expected(file, stats, config_hash, geometry)
+        _check_expected(file, stats, expected, geometry)
         loaded.append(stats)
     try:
         return merge_fdo_stats(loaded)

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
-    """The FDO job's view of a run config."""
+    """The FDO job's view of a run config; the stats carry its layout."""
     mesh = config.mesh
     return beam_jobs.FdoJobConfig(
         feature_specs=config.feature_specs,
@@ -105,6 +105,7 @@ def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
             processes=mesh.processes,
         ),
         config_hash=config.config_hash,
+        fdo_layout=config.fdo_layout,
     )
 
 

@@ -9,7 +9,7 @@ import yaml
 
 import embedding
 import pipelines
-from sparseflow import _cli, load_config
+from sparseflow import RunConfig, _cli, load_config
 
 
 def _config(tmp_path: Path) -> Path:
@@ -75,7 +75,7 @@ def test_fdo_writes_stats_for_the_config_and_a_figure(tmp_path, capsys):
 
     geometry = embedding.FdoGeometry(global_batch_size=32, devices=4, partitions_per_device=2)
     stats = embedding.load_fdo_stats(
-        out, expected_config_hash=config.config_hash, expected_geometry=geometry
+        out, expected_config_hash=config.fdo_layout, expected_geometry=geometry
     )
     assert stats.batches == 4 and sorted(stats.stacks) == ["a_b"]
     limits = embedding.fdo_limits(stats, headroom=1.25)["a_b"]
@@ -90,6 +90,45 @@ def test_fdo_without_record_files_is_a_user_error(tmp_path, capsys):
     )
     assert status == 2
     assert capsys.readouterr().err.startswith("error: No files match")
+
+
+def _changed(config_path: Path, name: str, change) -> RunConfig:
+    raw = yaml.safe_load(config_path.read_text())
+    change(raw)
+    path = config_path.with_name(name)
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path)
+
+
+def test_stats_serve_a_new_learning_rate_and_refuse_a_new_vocabulary(tmp_path, capsys):
+    config_path = _config(tmp_path)
+    config = load_config(config_path)
+    pipelines.write_synthetic_dataset(
+        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+    )
+    out = tmp_path / "fdo"
+    status = _cli.main(["fdo", "--config", str(config_path), "--out", str(out)])
+    assert status == 0, capsys.readouterr()
+
+    def learning_rate(raw):
+        raw["tables"][0]["optimizer"]["learning_rate"] = 0.01
+
+    def vocabulary(raw):
+        raw["tables"][1]["vocabulary_size"] = 60
+
+    tuned = _changed(config_path, "tuned.yaml", learning_rate)
+    geometry = embedding.FdoGeometry(global_batch_size=32, devices=4, partitions_per_device=2)
+    stats = embedding.load_fdo_stats(
+        out, expected_config_hash=tuned.fdo_layout, expected_geometry=geometry
+    )
+    assert stats.batches == 4
+    grown = _changed(config_path, "grown.yaml", vocabulary)
+    with pytest.raises(
+        embedding.FdoStatsError, match="tables.b.vocabulary_size: 50 in the stats, 60 now"
+    ):
+        embedding.load_fdo_stats(
+            out, expected_config_hash=grown.fdo_layout, expected_geometry=geometry
+        )
 
 
 def _stats_document(out: Path) -> dict:
