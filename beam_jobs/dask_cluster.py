@@ -3,8 +3,7 @@
 Production: a `dask scheduler` and `dask worker tcp://HOST:8786` processes on
 the machines; the job joins with `address="tcp://HOST:8786"`. The workers
 open the record files by the paths the job lists, so every worker must see
-them at the same path (a shared mount), or the paths are URLs of a
-filesystem every worker reaches (e.g. gs://...).
+them at the same path (a shared mount; record files are local paths).
 
 Without an address, a `distributed.LocalCluster` of worker processes runs on
 this machine, listening on 127.0.0.1 only, and is shut down when the job
@@ -18,6 +17,8 @@ import logging
 from collections.abc import Iterator
 
 import distributed
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "dask_cluster"]
 
 _log = logging.getLogger(__name__)
 

@@ -45,7 +45,11 @@ from apache_beam.transforms import core
 from apache_beam.transforms.sideinputs import SideInputMap
 from apache_beam.utils import counters
 
+__all__ = ["DaskOptions", "DaskRunner", "DaskRunnerResult"]
+
 DaskOptions = beam_dask.DaskOptions
+# Beam's `Create` translation warns at every run unless a partitioning is given.
+_DEFAULT_PARTITION_SIZE = 128
 
 # The tag of a bundle's counters among its outputs (outputs are (tag, value)).
 _METRICS = "__sparseflow_metrics__"
@@ -284,6 +288,8 @@ class DaskRunner(beam_dask.DaskRunner):
             drop_default=True, current_only=True
         )
         bag_kwargs = DaskOptions._extract_bag_kwargs(dask_options)
+        if not bag_kwargs:
+            bag_kwargs["partition_size"] = _DEFAULT_PARTITION_SIZE
         pipeline.replace_all([_ImpulseOverride(), *beam_overrides.dask_overrides()])
         client = distributed.Client(**dask_options)
         partitions = bag_kwargs.get("npartitions") or sum(client.nthreads().values())
