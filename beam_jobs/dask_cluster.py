@@ -3,7 +3,8 @@
 Production: a `dask scheduler` and `dask worker tcp://HOST:8786` processes on
 the machines; the job joins with `address="tcp://HOST:8786"`. The workers
 open the record files by the paths the job lists, so every worker must see
-them at the same path (a shared mount; record files are local paths).
+them at the same path (a shared mount), or the job names them by fsspec
+URLs every worker reaches (`gs://...`; see `beam_jobs._record_urls`).
 
 Without an address, a `distributed.LocalCluster` of worker processes runs on
 this machine, listening on 127.0.0.1 only, and is shut down when the job

@@ -39,8 +39,8 @@ from apache_beam.runners.portability.fn_api_runner import fn_runner
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
 import embedding
-import pipelines
 from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._record_urls import list_files
 from beam_jobs._transforms import (
     METRICS_NAMESPACE,
     ComputeFdoStats,
@@ -106,7 +106,9 @@ def run_fdo_job(
     Args:
       config: the run (specs, record layout, geometry, config hash).
       data: record files: a file, directory or glob pattern, or a list of them
-        (see `pipelines.list_record_files`), read in the listed order.
+        (see `pipelines.list_record_files`), read in the listed order; each
+        may be an fsspec URL (`gs://bucket/logs/*.tfrecord`), whose files the
+        workers fetch whole.
       out_dir: output directory (local or any Beam filesystem, e.g. gs://...).
       pipeline_args: Beam pipeline options, e.g. `["--direct_num_workers=2",
         "--direct_running_mode=multi_processing"]`,
@@ -121,7 +123,7 @@ def run_fdo_job(
       ValueError: no record files, a corrupt file, or fewer good records than
         one global batch.
     """
-    files = pipelines.list_record_files(data)
+    files = list_files(data)
     if not FileSystems.exists(out_dir):
         FileSystems.mkdirs(out_dir)
     stats_path = FileSystems.join(out_dir, embedding.fdo_stats_file_name(STATS_SOURCE))

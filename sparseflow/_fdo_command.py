@@ -10,8 +10,8 @@
 `--dask-address`, or on a local cluster of `--dask-workers` processes
 (127.0.0.1 only) started for the job and shut down after it. The workers open
 the record files by path: on a cluster, `--data` must name files on a mount
-every worker sees under the same path. Without `--runner` the job runs in
-process.
+every worker sees under the same path, or fsspec URLs (`gs://...`) every
+worker reaches. Without `--runner` the job runs in process.
 
 Beam pipeline options other than the ones above go after `--`, e.g.
 `-- --flink_master=localhost:8081 --environment_type=LOOPBACK`.

@@ -56,6 +56,19 @@ def test_dask_gives_the_in_process_stats_and_dead_letters(scheduler, tmp_path, e
     )
 
 
+def test_dask_workers_fetch_files_named_by_urls(scheduler, tmp_path):
+    files, bad = fdo_cases.hand_made_files(str(tmp_path), ".array_record")
+    config = fdo_cases.job_config(processes=2, records_per_range=16)
+    in_process = beam_jobs.run_fdo_job(config, files, str(tmp_path / "in_process"))
+    url = f"file://{tmp_path}/*.array_record"
+    on_dask = beam_jobs.run_fdo_job(config, url, str(tmp_path / "dask"), _dask_args(scheduler))
+
+    assert fdo_cases.document(on_dask.stats) == fdo_cases.document(in_process.stats)
+    assert on_dask.counters == in_process.counters
+    named = sorted((d["file"], d["record_index"]) for d in _letters(on_dask.dead_letters_path))
+    assert named == sorted((f"file://{path}", index) for path, index, _ in bad)
+
+
 class _EveryTagFn(beam.DoFn):
     """Odd numbers to "odd", even ones to the main output; their count at the bundle's end."""
 
