@@ -39,26 +39,33 @@ class OnMismatch(str, enum.Enum):
 
 
 def merge_fdo_stats(stats: Sequence[FdoStats]) -> FdoStats:
-    """Element-wise maxima of stats of one config and geometry.
+    """Element-wise maxima of stats of one layout (or config) and geometry.
+
+    Stats that all carry their layout are matched by it (the rest of their
+    configs may differ); others by their config hash.
 
     The offline summaries (percentiles, histograms, id frequencies) describe
     one job's batches and cannot be merged: they are kept when a single stats
     object is given and dropped otherwise.
 
     Raises:
-      ValueError: no stats, or stats of different configs or geometries.
+      ValueError: no stats, or stats of different layouts, configs or geometries.
     """
     if not stats:
         raise ValueError("merge_fdo_stats: no stats to merge.")
     if len(stats) == 1:
         return stats[0]
     first = stats[0]
+    by_layout = all(s.layout for s in stats)
     for other in stats[1:]:
-        if (other.config_hash, other.geometry) != (first.config_hash, first.geometry):
+        if (_match_key(other, by_layout), other.geometry) != (
+            _match_key(first, by_layout),
+            first.geometry,
+        ):
             raise ValueError(
-                "Cannot merge FDO stats of different configs or geometries: "
-                f"{first.config_hash[:12]} {first.geometry} vs "
-                f"{other.config_hash[:12]} {other.geometry}."
+                "Cannot merge FDO stats of different layouts, configs or geometries: "
+                f"{_match_key(first, by_layout)[:12]} {first.geometry} vs "
+                f"{_match_key(other, by_layout)[:12]} {other.geometry}."
             )
     names = list(dict.fromkeys(name for s in stats for name in s.stacks))
     stacks = {
@@ -80,6 +87,10 @@ def merge_fdo_stats(stats: Sequence[FdoStats]) -> FdoStats:
         stacks=stacks,
         layout=first.layout,
     )
+
+
+def _match_key(stats: FdoStats, by_layout: bool) -> str:
+    return FdoLayout(entries=stats.layout).key if by_layout else stats.config_hash
 
 
 def fdo_stats_file_name(source: str, time_ns: int | None = None) -> str:
@@ -228,8 +239,13 @@ class FdoClient:
     Every process records the stats of its own batches, publishes them to
     its own file in a shared directory, and loads everyone's. Thread-safe.
 
+    With a `layout` (`RunConfig.fdo_layout`), the published stats carry it
+    and `load` takes every file of that layout, whatever the rest of the
+    config that wrote it.
+
     Example:
-      client = FdoClient(directory, config_hash=h, geometry=g, process_index=i)
+      client = FdoClient(directory, config_hash=h, geometry=g, process_index=i,
+                         layout=config.fdo_layout)
       for batch in batches:
           _, stats = embedding.preprocess_sparse_dense_matmul_input(...)
           client.record(stats)
@@ -244,6 +260,7 @@ class FdoClient:
         config_hash: str,
         geometry: FdoGeometry,
         process_index: int = 0,
+        layout: FdoLayout | None = None,
     ):
         if isinstance(process_index, bool) or not isinstance(process_index, int):
             raise TypeError(f"process_index must be an integer, got {process_index!r}.")
@@ -254,6 +271,7 @@ class FdoClient:
             )
         self.directory = os.fspath(directory)
         self.config_hash = config_hash
+        self.layout = layout
         self.geometry = geometry
         self.process_index = process_index
         self._lock = threading.Lock()
@@ -288,6 +306,7 @@ class FdoClient:
                 geometry=self.geometry,
                 batches=batches,
                 stacks=stacks,
+                layout={} if self.layout is None else self.layout.entries,
             )
         except ValueError as e:
             raise ValueError(f"FdoClient.record: stats do not fit the geometry: {e}") from e
@@ -311,11 +330,12 @@ class FdoClient:
     def load(self, *, on_mismatch: OnMismatch | str = OnMismatch.RAISE) -> FdoStats | None:
         """Merges the newest stats file of every process (and the offline job).
 
-        See `load_fdo_stats`; files must match the client's config and geometry.
+        See `load_fdo_stats`; files must match the client's layout (or, without
+        one, its config) and geometry.
         """
         return load_fdo_stats(
             self.directory,
-            expected_config_hash=self.config_hash,
+            expected_config_hash=self.config_hash if self.layout is None else self.layout,
             expected_geometry=self.geometry,
             on_mismatch=on_mismatch,
         )

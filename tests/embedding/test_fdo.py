@@ -403,3 +403,23 @@ def test_a_layout_entry_of_another_type_is_refused():
     document["layout"] = {"tables.t.vocabulary_size": 1.5}
     with pytest.raises(embedding.FdoStatsError, match=r"layout\['tables.t.vocabulary_size'\]"):
         embedding.FdoStats.from_json(json.dumps(document))
+
+
+def test_a_client_with_a_layout_merges_stats_of_that_layout_from_other_configs(tmp_path):
+    offline = dataclasses.replace(_stats(7), config_hash="cd" * 32, layout=_LAYOUT.entries)
+    embedding.write_fdo_stats(offline, tmp_path, source="offline")
+    client = embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, layout=_LAYOUT)
+    for features in _host_batches(seed=1, batches=2):
+        client.record(_preprocess(features[0], _specs()))
+    online = client.stats()
+    assert online.layout == _LAYOUT.entries
+    client.publish()
+    merged = client.load()
+    for stack in STACKS:
+        expected = np.maximum(
+            offline.stacks[stack].max_ids_per_partition, online.stacks[stack].max_ids_per_partition
+        )
+        np.testing.assert_array_equal(merged.stacks[stack].max_ids_per_partition, expected)
+    grown = embedding.FdoLayout(entries={**_LAYOUT.entries, "tables.t.stack": "s"})
+    with pytest.raises(embedding.FdoStatsError, match='tables.t.stack: "t" in the stats, "s" now'):
+        embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, layout=grown).load()
