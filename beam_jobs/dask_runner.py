@@ -241,9 +241,13 @@ class DaskRunnerResult(PipelineResult):
         self._totals: dict[MetricKey, int] | None = None
 
     def wait_until_finish(self, duration=None) -> str:
+        """Waits for the end (or `duration` ms: then the state is still RUNNING)."""
         timeout = None if duration is None else duration / 1000
         try:
             distributed.wait(self._sinks + [self._metrics_future], timeout=timeout)
+        except TimeoutError:
+            return self._state
+        try:
             # Gathering raises a task's exception here, on the client.
             for future in self._sinks:
                 future.result()
