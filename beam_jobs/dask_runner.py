@@ -90,30 +90,7 @@ def _run_bundle(
 ) -> list:
     """Runs a DoFn over one Dask partition (a bundle): its `(tag, value)` outputs and counters."""
     receivers = _Receivers()
-    handler = common._OutputHandler(
-        window_fn=window_fn,
-        main_receivers=receivers[None],
-        tagged_receivers=receivers,
-        per_element_output_counter=None,
-        output_batch_converter=None,
-        process_yields_batches=False,
-        process_batch_yields_elements=False,
-    )
-    args, kwargs = transform.raw_side_inputs
-    side_inputs = [
-        SideInputMap(view_class, view_options, values)
-        for (view_class, view_options), values in zip(views, side_values)
-    ]
-    invoker = common.DoFnInvoker.create_invoker(
-        common.DoFnSignature(transform.fn),
-        handler,
-        context=common.DoFnContext(step, state=None),
-        side_inputs=side_inputs,
-        input_args=list(args),
-        input_kwargs=kwargs,
-        user_state_context=None,
-        bundle_finalizer_param=core.DoFn.BundleFinalizerParam(),
-    )
+    invoker = _invoker(step, transform, window_fn, receivers, views, side_values)
     container = MetricsContainer(step)
     sampler = statesampler.StateSampler("", counters.CounterFactory())
     statesampler.set_current_tracker(sampler)
@@ -131,6 +108,36 @@ def _run_bundle(
     return receivers.outputs
 
 
+def _invoker(
+    step: str, transform, window_fn, receivers: _Receivers, views: list, side_values: Sequence
+) -> common.DoFnInvoker:
+    """The DoFn of `transform`, its outputs going to `receivers`, its side inputs filled."""
+    handler = common._OutputHandler(
+        window_fn=window_fn,
+        main_receivers=receivers[None],
+        tagged_receivers=receivers,
+        per_element_output_counter=None,
+        output_batch_converter=None,
+        process_yields_batches=False,
+        process_batch_yields_elements=False,
+    )
+    args, kwargs = transform.raw_side_inputs
+    side_inputs = [
+        SideInputMap(view_class, view_options, values)
+        for (view_class, view_options), values in zip(views, side_values)
+    ]
+    return common.DoFnInvoker.create_invoker(
+        common.DoFnSignature(transform.fn),
+        handler,
+        context=common.DoFnContext(step, state=None),
+        side_inputs=side_inputs,
+        input_args=list(args),
+        input_kwargs=kwargs,
+        user_state_context=None,
+        bundle_finalizer_param=core.DoFn.BundleFinalizerParam(),
+    )
+
+
 def _windowed(partitions: list[list], window_fn) -> list:
     return [beam_ops.get_windowed_value(v, window_fn) for values in partitions for v in values]
 
@@ -143,7 +150,6 @@ class _BagVisitor(PipelineVisitor):
     partitions: int  # of every grouped PCollection
     bags: dict = dataclasses.field(default_factory=dict)  # PCollection -> Bag
     consumed: set = dataclasses.field(default_factory=set)  # PCollections read by a step
-    sinks: list = dataclasses.field(default_factory=list)  # bags that end a branch
     metrics: list = dataclasses.field(default_factory=list)  # bags of counters
 
     def visit_transform(self, node: AppliedPTransform) -> None:
@@ -185,6 +191,7 @@ class _BagVisitor(PipelineVisitor):
             _run_bundle, node.full_label, node.transform, window_fn, views, *side_values
         )
         self.metrics.append(_values_of(outputs, _METRICS))
+        # The main output's tag is None, spelled "None" in some Beam versions.
         for tag, output in node.outputs.items():
             self.bags[output] = _values_of(outputs, None if tag == "None" else tag)
 
