@@ -17,6 +17,11 @@ of `GroupByKey` and `Flatten`, its overrides and its options
 - Counters (`beam.metrics.Metrics.counter`) are collected per bundle and
   summed: `result.metrics()` answers queries as other runners do.
 
+A grouped PCollection is spread over `--dask_npartitions` partitions (default:
+4 per worker thread); a task holds a partition's outputs in memory (for the
+FDO job, its share of the batches), so a large dataset wants more of them,
+e.g. one per few hundred thousand records.
+
 Name it as `--runner=beam_jobs.dask_runner.DaskRunner`. Needs
 `dask[distributed]` (`pip install 'sparseflow[dask]'`).
 """
@@ -48,6 +53,9 @@ from apache_beam.utils import counters
 __all__ = ["DaskOptions", "DaskRunner", "DaskRunnerResult"]
 
 DaskOptions = beam_dask.DaskOptions
+# Partitions of a grouped PCollection per worker thread, unless
+# `--dask_npartitions` says: a few per thread even out uneven ones.
+_PARTITIONS_PER_THREAD = 4
 # Beam's `Create` translation warns at every run unless a partitioning is given.
 _DEFAULT_PARTITION_SIZE = 128
 
@@ -303,7 +311,8 @@ class DaskRunner(beam_dask.DaskRunner):
             bag_kwargs["partition_size"] = _DEFAULT_PARTITION_SIZE
         pipeline.replace_all([_ImpulseOverride(), *beam_overrides.dask_overrides()])
         client = distributed.Client(**dask_options)
-        partitions = bag_kwargs.get("npartitions") or sum(client.nthreads().values())
+        threads = sum(client.nthreads().values())
+        partitions = bag_kwargs.get("npartitions") or _PARTITIONS_PER_THREAD * threads
         visitor = _BagVisitor(bag_kwargs, max(1, partitions))
         pipeline.visit(visitor)
         # One graph, not fused: a step that several sinks and side inputs read
