@@ -18,7 +18,7 @@ of `GroupByKey` and `Flatten`, its overrides and its options
   summed: `result.metrics()` answers queries as other runners do.
 
 A grouped PCollection is spread over `--dask_npartitions` partitions (default:
-4 per worker thread); a task holds a partition's outputs in memory (for the
+one per worker thread); a task holds a partition's outputs in memory (for the
 FDO job, its share of the batches), so a large dataset wants more of them,
 e.g. one per few hundred thousand records.
 
@@ -54,8 +54,9 @@ __all__ = ["DaskOptions", "DaskRunner", "DaskRunnerResult"]
 
 DaskOptions = beam_dask.DaskOptions
 # Partitions of a grouped PCollection per worker thread, unless
-# `--dask_npartitions` says: a few per thread even out uneven ones.
-_PARTITIONS_PER_THREAD = 4
+# `--dask_npartitions` says: every partition adds tasks at every step, and the
+# scheduler's cost per task dominates a small job.
+_PARTITIONS_PER_THREAD = 1
 # Beam's `Create` translation warns at every run unless a partitioning is given.
 _DEFAULT_PARTITION_SIZE = 128
 
@@ -220,7 +221,12 @@ def _key_and_values(grouped: tuple) -> tuple:
 
 
 def _values_of(outputs: db.Bag, tag: str | None) -> db.Bag:
-    return outputs.filter(lambda output, tag=tag: output[0] == tag).map(lambda output: output[1])
+    # One task per partition (a filter, then a map, would take two).
+    return outputs.map_partitions(_tagged_values, tag)
+
+
+def _tagged_values(outputs: list, tag: str | None) -> list:
+    return [value for output_tag, value in outputs if output_tag == tag]
 
 
 class _CounterResults(MetricResults):
@@ -315,9 +321,6 @@ class DaskRunner(beam_dask.DaskRunner):
         partitions = bag_kwargs.get("npartitions") or _PARTITIONS_PER_THREAD * threads
         visitor = _BagVisitor(bag_kwargs, max(1, partitions))
         pipeline.visit(visitor)
-        # One graph, not fused: a step that several sinks and side inputs read
-        # keeps one key and runs once (fusing renames it per collection).
-        *sinks, metrics = client.compute(
-            [*visitor.sink_bags(), db.concat(visitor.metrics)], optimize_graph=False
-        )
+        # One graph: a step that several sinks and side inputs read runs once.
+        *sinks, metrics = client.compute([*visitor.sink_bags(), db.concat(visitor.metrics)])
         return DaskRunnerResult(client, sinks, metrics)
