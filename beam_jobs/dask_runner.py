@@ -53,10 +53,6 @@ from apache_beam.utils import counters
 __all__ = ["DaskOptions", "DaskRunner", "DaskRunnerResult"]
 
 DaskOptions = beam_dask.DaskOptions
-# Partitions of a grouped PCollection per worker thread, unless
-# `--dask_npartitions` says: every partition adds tasks at every step, and the
-# scheduler's cost per task dominates a small job.
-_PARTITIONS_PER_THREAD = 1
 # Beam's `Create` translation warns at every run unless a partitioning is given.
 _DEFAULT_PARTITION_SIZE = 128
 
@@ -317,8 +313,10 @@ class DaskRunner(beam_dask.DaskRunner):
             bag_kwargs["partition_size"] = _DEFAULT_PARTITION_SIZE
         pipeline.replace_all([_ImpulseOverride(), *beam_overrides.dask_overrides()])
         client = distributed.Client(**dask_options)
-        threads = sum(client.nthreads().values())
-        partitions = bag_kwargs.get("npartitions") or _PARTITIONS_PER_THREAD * threads
+        # One partition per worker thread unless `--dask_npartitions` says:
+        # every partition adds tasks at every step, and the scheduler's cost
+        # per task dominates a small job.
+        partitions = bag_kwargs.get("npartitions") or sum(client.nthreads().values())
         visitor = _BagVisitor(bag_kwargs, max(1, partitions))
         pipeline.visit(visitor)
         # One graph: a step that several sinks and side inputs read runs once.
