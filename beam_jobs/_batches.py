@@ -29,6 +29,7 @@ import tensorflow as tf
 from array_record.python import array_record_module
 
 import pipelines
+from beam_jobs._record_urls import is_url, local_copy
 from embedding import RaggedIds
 
 _ARRAY_RECORD_SUFFIX = ".array_record"
@@ -56,13 +57,14 @@ def count_records(path: str) -> int:
       ValueError: the file is corrupt or not a record file (named).
     """
     try:
-        if path.endswith(_ARRAY_RECORD_SUFFIX):
-            reader = array_record_module.ArrayRecordReader(path)
-            try:
-                return reader.num_records()
-            finally:
-                reader.close()
-        return int(tf.data.TFRecordDataset(path).reduce(np.int64(0), lambda n, _: n + 1))
+        with local_copy(path) as local:
+            if path.endswith(_ARRAY_RECORD_SUFFIX):
+                reader = array_record_module.ArrayRecordReader(local)
+                try:
+                    return reader.num_records()
+                finally:
+                    reader.close()
+            return int(tf.data.TFRecordDataset(local).reduce(np.int64(0), lambda n, _: n + 1))
     except (RuntimeError, tf.errors.OpError) as e:
         raise ValueError(f"{path}: cannot count the records of this file: {_reason(e)}") from e
 
@@ -74,8 +76,13 @@ def _reason(error: Exception) -> str:
 
 
 def split_file(file_index: int, path: str, records_per_range: int) -> list[RecordRange]:
-    """The file's records as consecutive ranges of at most `records_per_range`."""
+    """The file's records as consecutive ranges of at most `records_per_range`.
+
+    A file named by a URL is one range: every range read fetches the whole file.
+    """
     count = count_records(path)
+    if is_url(path):
+        records_per_range = max(count, 1)
     return [
         RecordRange(file_index, path, start, min(count, start + records_per_range))
         for start in range(0, count, records_per_range)
@@ -93,15 +100,8 @@ def read_range(record_range: RecordRange) -> list[bytes]:
     """
     path, start, stop = record_range.path, record_range.start, record_range.stop
     try:
-        if path.endswith(_ARRAY_RECORD_SUFFIX):
-            reader = array_record_module.ArrayRecordReader(path)
-            try:
-                records = list(reader.read(start, stop))
-            finally:
-                reader.close()
-        else:
-            dataset = tf.data.TFRecordDataset(path).skip(start).take(stop - start)
-            records = [r for batch in dataset.batch(_TFRECORD_READ_BATCH) for r in batch.numpy()]
+        with local_copy(path) as local:
+            records = _read_local(local, path.endswith(_ARRAY_RECORD_SUFFIX), start, stop)
     except (RuntimeError, tf.errors.OpError) as e:
         raise ValueError(f"{path}: cannot read records [{start}, {stop}): {_reason(e)}") from e
     if len(records) != stop - start:
@@ -110,6 +110,17 @@ def read_range(record_range: RecordRange) -> list[bytes]:
             "changed while the job ran."
         )
     return records
+
+
+def _read_local(path: str, array_record: bool, start: int, stop: int) -> list[bytes]:
+    if array_record:
+        reader = array_record_module.ArrayRecordReader(path)
+        try:
+            return list(reader.read(start, stop))
+        finally:
+            reader.close()
+    dataset = tf.data.TFRecordDataset(path).skip(start).take(stop - start)
+    return [r for batch in dataset.batch(_TFRECORD_READ_BATCH) for r in batch.numpy()]
 
 
 class SparseRows(NamedTuple):

@@ -8,6 +8,7 @@ input into bundles or in which order it merges the partial results.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -261,9 +262,17 @@ class FdoStatsFn(beam.CombineFn):
     were no batches).
     """
 
-    def __init__(self, *, geometry: embedding.FdoGeometry, config_hash: str, top_k: int):
+    def __init__(
+        self,
+        *,
+        geometry: embedding.FdoGeometry,
+        config_hash: str,
+        top_k: int,
+        layout: Mapping[str, Any] | None = None,
+    ):
         self._geometry = geometry
         self._config_hash = config_hash
+        self._layout = dict(layout or {})
         self._parts = beam.combiners.TupleCombineFn(
             ElementwiseMaxFn(),
             IntHistogramFn(),
@@ -305,6 +314,7 @@ class FdoStatsFn(beam.CombineFn):
             batches=batches,
             stacks=stacks,
             tables=id_frequency,
+            layout=self._layout,
         )
 
     def _split(self, batch: BatchStats) -> tuple:

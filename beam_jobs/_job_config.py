@@ -26,6 +26,8 @@ class FdoJobConfig:
       top_k: heavy hitters kept per table.
       records_per_range: records one worker reads at a time (the unit of
         parallelism; a file of R records is read as ceil(R / this) ranges).
+      fdo_layout: what the stats depend on (`embedding.fdo_layout`), written
+        into the stats file: a run of the same layout may use them.
     """
 
     feature_specs: Mapping[str, embedding.FeatureSpec]
@@ -34,6 +36,7 @@ class FdoJobConfig:
     config_hash: str
     top_k: int = DEFAULT_TOP_K
     records_per_range: int = DEFAULT_RECORDS_PER_RANGE
+    fdo_layout: embedding.FdoLayout | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_specs", dict(self.feature_specs))

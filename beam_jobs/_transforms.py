@@ -241,7 +241,12 @@ class CombineFdoStats(beam.PTransform):
 
     def expand(self, batch_stats):
         c = self._config
-        fn = FdoStatsFn(geometry=c.geometry, config_hash=c.config_hash, top_k=c.top_k)
+        fn = FdoStatsFn(
+            geometry=c.geometry,
+            config_hash=c.config_hash,
+            top_k=c.top_k,
+            layout=None if c.fdo_layout is None else c.fdo_layout.entries,
+        )
         parts = batch_stats if isinstance(batch_stats, tuple) else (batch_stats,)
         accumulators = [
             part | f"Accumulate{i}" >> beam.ParDo(_AccumulateFn(fn)) for i, part in enumerate(parts)

@@ -15,10 +15,12 @@ Outputs in `out_dir`:
                                       object per bad record, in no order
 
 Runs in process on Beam's FnApiRunner (the engine of Beam's DirectRunner for
-batch pipelines) unless the pipeline arguments name another runner
-(`--runner FlinkRunner`, `SparkRunner`, `DataflowRunner` with their usual
-options); `--direct_num_workers N --direct_running_mode multi_processing` (or
-`multi_threading`) spreads it over local processes (or threads).
+batch pipelines) unless the pipeline arguments name another runner: on a Dask
+cluster with `--runner=beam_jobs.dask_runner.DaskRunner
+--dask_client_address=tcp://HOST:8786` (see `beam_jobs.dask_cluster`), or on
+`FlinkRunner`, `SparkRunner`, `DataflowRunner` with their usual options;
+`--direct_num_workers N --direct_running_mode multi_processing` (or
+`multi_threading`) spreads the in-process run over local processes (or threads).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from apache_beam.runners.portability.fn_api_runner import fn_runner
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
 import embedding
-import pipelines
 from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._record_urls import list_files
 from beam_jobs._transforms import (
     METRICS_NAMESPACE,
     ComputeFdoStats,
@@ -104,10 +106,14 @@ def run_fdo_job(
     Args:
       config: the run (specs, record layout, geometry, config hash).
       data: record files: a file, directory or glob pattern, or a list of them
-        (see `pipelines.list_record_files`), read in the listed order.
+        (see `pipelines.list_record_files`), read in the listed order; each
+        may be an fsspec URL (`gs://bucket/logs/*.tfrecord`), whose files the
+        workers fetch whole.
       out_dir: output directory (local or any Beam filesystem, e.g. gs://...).
       pipeline_args: Beam pipeline options, e.g. `["--direct_num_workers=2",
-        "--direct_running_mode=multi_processing"]` or `["--runner=FlinkRunner",
+        "--direct_running_mode=multi_processing"]`,
+        `["--runner=beam_jobs.dask_runner.DaskRunner",
+        "--dask_client_address=tcp://host:8786"]` or `["--runner=FlinkRunner",
         "--flink_master=host:8081"]`.
 
     Returns:
@@ -117,7 +123,7 @@ def run_fdo_job(
       ValueError: no record files, a corrupt file, or fewer good records than
         one global batch.
     """
-    files = pipelines.list_record_files(data)
+    files = list_files(data)
     if not FileSystems.exists(out_dir):
         FileSystems.mkdirs(out_dir)
     stats_path = FileSystems.join(out_dir, embedding.fdo_stats_file_name(STATS_SOURCE))

@@ -1,4 +1,4 @@
-"""FDO stats job throughput: Beam's in-process runner against a plain Python loop.
+"""FDO stats job throughput: Beam's in-process and Dask runners against a plain Python loop.
 
 Both compute the same stats over the same ArrayRecord files of the demo
 config (`sparseflow/configs/demo.yaml`: 10 features, 8 tables, 8 devices x 2
@@ -7,14 +7,23 @@ global batches, lay every batch out with the online preprocessing, combine.
 The loop reads the files once, in order, in one process; the Beam job
 (`beam_jobs.run_fdo_job`, in process on the FnApiRunner, one worker) reads them in
 ranges, twice (a counting pass numbers the good records), and joins batches
-that straddle ranges. The two results are checked to be equal.
+that straddle ranges. The same job also runs on a local Dask cluster
+(`beam_jobs.dask_runner`) of each of `--dask-workers` worker processes (one
+thread each, 127.0.0.1): the cluster is started, and its workers warmed up,
+before the timed runs. Every result is checked to equal the loop's.
 
 Datasets are written once per size into `--data-dir` and reused. Each
 figure is the best of `--repeats` runs, after an untimed warm-up. Targets:
-Beam >= 0.5x the loop; cost linear in the examples (the largest size within
-1.2x of the smallest scaled up). The last line printed is one JSON object.
+in process >= 0.6x the loop at 1e5 examples, Dask on 2 workers >= 0.5x the
+loop at 1e6; cost linear in the examples (the largest size within 1.2x of the
+smallest scaled up). `dask_scaling` is the 1-worker time over the largest
+worker count's, at the largest size; `dask_examples_per_worker_s` the
+1-worker rate there, from which `projected_hours_4e9_examples_64_workers`
+assumes linear scaling (no shuffle or scheduler limits). The last line
+printed is one JSON object.
 
-    python benchmarks/fdo_job.py [--sizes 100000 1000000] [--data-dir DIR] [--repeats 2]
+    python benchmarks/fdo_job.py [--sizes 100000 1000000] [--dask-workers 1 2]
+                                 [--data-dir DIR] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -31,11 +40,16 @@ import embedding
 import pipelines
 from beam_jobs._batch_stats import BatchStatsComputer
 from beam_jobs._batches import check_records, concat_rows, slice_rows
+from beam_jobs.dask_cluster import dask_cluster
 from sparseflow import load_config, shipped_config
 from sparseflow._fdo_command import job_config
 
 CONFIG = shipped_config("demo")
 _CHUNK = 8192
+_DASK_RUNNER = "beam_jobs.dask_runner.DaskRunner"
+# A day of Criteo-1TB-sized logs, on a cluster of this many workers.
+_PROJECTED_EXAMPLES = 4_000_000_000
+_PROJECTED_WORKERS = 64
 
 
 def dataset(config, directory: Path, examples: int) -> list[str]:
@@ -58,7 +72,10 @@ def plain_loop(job: beam_jobs.FdoJobConfig, files: list[str]) -> embedding.FdoSt
     """The same stats in one process: records in order, batches cut as they fill."""
     compute = BatchStatsComputer(job.feature_specs, job.geometry)
     combine = beam_jobs.FdoStatsFn(
-        geometry=job.geometry, config_hash=job.config_hash, top_k=job.top_k
+        geometry=job.geometry,
+        config_hash=job.config_hash,
+        top_k=job.top_k,
+        layout=None if job.fdo_layout is None else job.fdo_layout.entries,
     )
     accumulator = combine.create_accumulator()
     size = job.geometry.global_batch_size
@@ -87,12 +104,19 @@ def _best_of(repeats: int, fn, *args):
     return result, min(times)
 
 
+def _same_stats(result: beam_jobs.FdoJobResult, loop_stats: embedding.FdoStats, runner: str):
+    if json.loads(result.stats.to_json()) != json.loads(loop_stats.to_json()):
+        raise AssertionError(
+            f"The Beam job ({runner}) and the plain loop computed different stats."
+        )
+
+
 def measure(job, files: list[str], examples: int, out_dir: str, repeats: int) -> dict:
+    """The loop and the in-process runner at one size."""
     loop_stats, loop_s = _best_of(repeats, plain_loop, job, files)
     result, beam_s = _best_of(repeats, beam_jobs.run_fdo_job, job, files, out_dir)
-    if json.loads(result.stats.to_json()) != json.loads(loop_stats.to_json()):
-        raise AssertionError("The Beam job and the plain loop computed different stats.")
-    figures = {
+    _same_stats(result, loop_stats, "in process")
+    return {
         "examples": examples,
         "batches": result.stats.batches,
         "beam_s": round(beam_s, 2),
@@ -100,9 +124,43 @@ def measure(job, files: list[str], examples: int, out_dir: str, repeats: int) ->
         "beam_examples_per_s": round(examples / beam_s),
         "loop_examples_per_s": round(examples / loop_s),
         "ratio_vs_plain_loop": round(loop_s / beam_s, 3),
+        "loop_stats": loop_stats,
     }
-    print(json.dumps(figures), flush=True)
-    return figures
+
+
+def measure_dask(
+    job, files: dict[int, list[str]], workers: int, runs: list[dict], out_dir: str, repeats: int
+) -> None:
+    """Adds the runs' figures on a local cluster of `workers` processes."""
+    with dask_cluster(workers=workers) as address:
+        args = [f"--runner={_DASK_RUNNER}", f"--dask_client_address={address}"]
+        smallest = files[runs[0]["examples"]]
+        # Untimed: every worker imports TF and loads the kernels once.
+        beam_jobs.run_fdo_job(job, smallest, os.path.join(out_dir, f"warm-up-{workers}"), args)
+        for run in runs:
+            out = os.path.join(out_dir, f"dask-{workers}-{run['examples']}")
+            result, seconds = _best_of(
+                repeats, beam_jobs.run_fdo_job, job, files[run["examples"]], out, args
+            )
+            _same_stats(result, run["loop_stats"], f"Dask, {workers} workers")
+            run[f"dask_{workers}_s"] = round(seconds, 2)
+            run[f"ratio_vs_plain_loop_dask_{workers}"] = round(run["loop_s"] / seconds, 3)
+
+
+def _dask_summary(large: dict, workers: list[int]) -> dict:
+    if not workers:
+        return {}
+    most = max(workers)
+    summary = {
+        f"ratio_vs_plain_loop_dask_{w}": large[f"ratio_vs_plain_loop_dask_{w}"] for w in workers
+    }
+    if 1 in workers:
+        per_worker = large["examples"] / large["dask_1_s"]
+        hours = _PROJECTED_EXAMPLES / (_PROJECTED_WORKERS * per_worker) / 3600
+        summary["dask_examples_per_worker_s"] = round(per_worker)
+        summary[f"dask_scaling_1_to_{most}"] = round(large["dask_1_s"] / large[f"dask_{most}_s"], 3)
+        summary["projected_hours_4e9_examples_64_workers"] = round(hours, 2)
+    return summary
 
 
 def main() -> None:
@@ -111,6 +169,9 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "fdo_bench")
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    parser.add_argument(
+        "--dask-workers", type=int, nargs="*", default=[1, 2], help="local Dask cluster sizes"
+    )
     args = parser.parse_args()
     config = load_config(args.config)
     job = job_config(config)
@@ -124,6 +185,11 @@ def main() -> None:
         for examples in sizes:
             out = os.path.join(out_dir, f"fdo-{examples}")
             runs.append(measure(job, files[examples], examples, out, args.repeats))
+        for workers in args.dask_workers:
+            measure_dask(job, files, workers, runs, out_dir, args.repeats)
+    for run in runs:
+        del run["loop_stats"]
+        print(json.dumps(run), flush=True)
     small, large = runs[0], runs[-1]
     scale = large["examples"] / small["examples"]
     print(
@@ -131,12 +197,14 @@ def main() -> None:
             {
                 "benchmark": "fdo_job",
                 "config": str(args.config.name),
-                "runner": "FnApiRunner (in process, in_memory, 1 worker)",
+                "runner": "FnApiRunner (in process, in_memory, 1 worker); "
+                "Dask (local cluster, 1 thread per worker process)",
                 "repeats": args.repeats,
                 "runs": runs,
                 "ratio_vs_plain_loop": min(r["ratio_vs_plain_loop"] for r in runs),
                 "linearity_beam": round(large["beam_s"] / (scale * small["beam_s"]), 3),
                 "linearity_loop": round(large["loop_s"] / (scale * small["loop_s"]), 3),
+                **_dask_summary(large, args.dask_workers),
             }
         )
     )

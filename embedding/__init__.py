@@ -14,6 +14,7 @@ from embedding._fdo_client import (
 )
 from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats, TableIdFrequency
 from embedding._fdo_geometry import FdoGeometry
+from embedding._fdo_layout import FdoLayout, fdo_layout
 from embedding._fdo_limits import StackLimits, apply_fdo, fdo_limits, set_stack_limits
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError, aligned_empty
@@ -74,6 +75,7 @@ __all__ = [
     "FTRLSlots",
     "FdoClient",
     "FdoGeometry",
+    "FdoLayout",
     "FdoStats",
     "FdoStatsError",
     "FeatureIdTransformation",
@@ -101,6 +103,7 @@ __all__ = [
     "apply_fdo",
     "apply_gradients",
     "coo_buffer_size_per_device",
+    "fdo_layout",
     "fdo_limits",
     "fdo_stats_file_name",
     "gather_tables",

@@ -21,6 +21,7 @@ import numpy as np
 
 from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry
+from embedding._fdo_layout import FdoLayout
 from embedding._preprocess import SparseDenseMatmulInputStats
 
 _log = logging.getLogger(__name__)
@@ -38,26 +39,33 @@ class OnMismatch(str, enum.Enum):
 
 
 def merge_fdo_stats(stats: Sequence[FdoStats]) -> FdoStats:
-    """Element-wise maxima of stats of one config and geometry.
+    """Element-wise maxima of stats of one layout (or config) and geometry.
+
+    Stats that all carry their layout are matched by it (the rest of their
+    configs may differ); others by their config hash.
 
     The offline summaries (percentiles, histograms, id frequencies) describe
     one job's batches and cannot be merged: they are kept when a single stats
     object is given and dropped otherwise.
 
     Raises:
-      ValueError: no stats, or stats of different configs or geometries.
+      ValueError: no stats, or stats of different layouts, configs or geometries.
     """
     if not stats:
         raise ValueError("merge_fdo_stats: no stats to merge.")
     if len(stats) == 1:
         return stats[0]
     first = stats[0]
+    by_layout = all(s.layout for s in stats)
     for other in stats[1:]:
-        if (other.config_hash, other.geometry) != (first.config_hash, first.geometry):
+        if (_match_key(other, by_layout), other.geometry) != (
+            _match_key(first, by_layout),
+            first.geometry,
+        ):
             raise ValueError(
-                "Cannot merge FDO stats of different configs or geometries: "
-                f"{first.config_hash[:12]} {first.geometry} vs "
-                f"{other.config_hash[:12]} {other.geometry}."
+                "Cannot merge FDO stats of different layouts, configs or geometries: "
+                f"{_match_key(first, by_layout)[:12]} {first.geometry} vs "
+                f"{_match_key(other, by_layout)[:12]} {other.geometry}."
             )
     names = list(dict.fromkeys(name for s in stats for name in s.stacks))
     stacks = {
@@ -73,8 +81,16 @@ def merge_fdo_stats(stats: Sequence[FdoStats]) -> FdoStats:
     }
     batches = max(s.batches for s in stats)
     return FdoStats(
-        config_hash=first.config_hash, geometry=first.geometry, batches=batches, stacks=stacks
+        config_hash=first.config_hash,
+        geometry=first.geometry,
+        batches=batches,
+        stacks=stacks,
+        layout=first.layout,
     )
+
+
+def _match_key(stats: FdoStats, by_layout: bool) -> str:
+    return FdoLayout(entries=stats.layout).key if by_layout else stats.config_hash
 
 
 def fdo_stats_file_name(source: str, time_ns: int | None = None) -> str:
@@ -126,13 +142,15 @@ def _read_stats_file(path: str) -> FdoStats:
 
 
 def _check_expected(
-    path: str, stats: FdoStats, config_hash: str | None, geometry: FdoGeometry | None
+    path: str, stats: FdoStats, expected: str | FdoLayout | None, geometry: FdoGeometry | None
 ) -> None:
-    if config_hash is not None and stats.config_hash != config_hash:
+    if isinstance(expected, FdoLayout):
+        _check_layout(path, stats, expected)
+    elif expected is not None and stats.config_hash != expected:
         raise FdoStatsError(
             path,
             f"computed for config hash {stats.config_hash[:16]}..., expected "
-            f"{config_hash[:16]}... (the config changed since); rerun `sparseflow fdo` "
+            f"{expected[:16]}... (the config changed since); rerun `sparseflow fdo` "
             "for this config.",
         )
     if geometry is not None and stats.geometry != geometry:
@@ -145,10 +163,23 @@ def _check_expected(
         raise FdoStatsError(path, f"computed for another batch geometry: {differences}.")
 
 
+def _check_layout(path: str, stats: FdoStats, layout: FdoLayout) -> None:
+    if not stats.layout:  # written before stats carried their layout
+        changed = "the stats hold no layout"
+    elif FdoLayout(entries=stats.layout).key == layout.key:
+        return
+    else:
+        changed = "; ".join(layout.differences(stats.layout))
+    raise FdoStatsError(
+        path,
+        f"computed for another batch layout ({changed}); rerun `sparseflow fdo` for this config.",
+    )
+
+
 def load_fdo_stats(
     path: str | os.PathLike,
     *,
-    expected_config_hash: str | None,
+    expected_config_hash: str | FdoLayout | None,
     expected_geometry: FdoGeometry | None,
     on_mismatch: OnMismatch | str = OnMismatch.RAISE,
 ) -> FdoStats | None:
@@ -156,7 +187,10 @@ def load_fdo_stats(
 
     Args:
       path: a stats file, or a directory of them (see `fdo_stats_file_name`).
-      expected_config_hash: the run's config hash, or None to accept any.
+      expected_config_hash: the run's layout (`FdoLayout`: stats of another
+        layout are refused, naming the entries that changed; the rest of
+        the config may differ), the run's config hash (the whole config
+        must be the same), or None to accept any.
       expected_geometry: the run's geometry, or None to accept any.
       on_mismatch: "raise", or "warn_and_default" to log a warning and
         return None (keep the configured limits) instead.
@@ -179,7 +213,7 @@ def load_fdo_stats(
         return None
 
 
-def _load(path: str, config_hash: str | None, geometry: FdoGeometry | None) -> FdoStats:
+def _load(path: str, expected: str | FdoLayout | None, geometry: FdoGeometry | None) -> FdoStats:
     if os.path.isdir(path):
         files = _newest_files(path)
         if not files:
@@ -191,7 +225,7 @@ def _load(path: str, config_hash: str | None, geometry: FdoGeometry | None) -> F
     loaded = []
     for file in files:
         stats = _read_stats_file(file)
-        _check_expected(file, stats, config_hash, geometry)
+        _check_expected(file, stats, expected, geometry)
         loaded.append(stats)
     try:
         return merge_fdo_stats(loaded)
@@ -205,8 +239,13 @@ class FdoClient:
     Every process records the stats of its own batches, publishes them to
     its own file in a shared directory, and loads everyone's. Thread-safe.
 
+    With a `layout` (`RunConfig.fdo_layout`), the published stats carry it
+    and `load` takes every file of that layout, whatever the rest of the
+    config that wrote it.
+
     Example:
-      client = FdoClient(directory, config_hash=h, geometry=g, process_index=i)
+      client = FdoClient(directory, config_hash=h, geometry=g, process_index=i,
+                         layout=config.fdo_layout)
       for batch in batches:
           _, stats = embedding.preprocess_sparse_dense_matmul_input(...)
           client.record(stats)
@@ -221,6 +260,7 @@ class FdoClient:
         config_hash: str,
         geometry: FdoGeometry,
         process_index: int = 0,
+        layout: FdoLayout | None = None,
     ):
         if isinstance(process_index, bool) or not isinstance(process_index, int):
             raise TypeError(f"process_index must be an integer, got {process_index!r}.")
@@ -231,6 +271,7 @@ class FdoClient:
             )
         self.directory = os.fspath(directory)
         self.config_hash = config_hash
+        self.layout = layout
         self.geometry = geometry
         self.process_index = process_index
         self._lock = threading.Lock()
@@ -265,6 +306,7 @@ class FdoClient:
                 geometry=self.geometry,
                 batches=batches,
                 stacks=stacks,
+                layout={} if self.layout is None else self.layout.entries,
             )
         except ValueError as e:
             raise ValueError(f"FdoClient.record: stats do not fit the geometry: {e}") from e
@@ -288,11 +330,12 @@ class FdoClient:
     def load(self, *, on_mismatch: OnMismatch | str = OnMismatch.RAISE) -> FdoStats | None:
         """Merges the newest stats file of every process (and the offline job).
 
-        See `load_fdo_stats`; files must match the client's config and geometry.
+        See `load_fdo_stats`; files must match the client's layout (or, without
+        one, its config) and geometry.
         """
         return load_fdo_stats(
             self.directory,
-            expected_config_hash=self.config_hash,
+            expected_config_hash=self.config_hash if self.layout is None else self.layout,
             expected_geometry=self.geometry,
             on_mismatch=on_mismatch,
         )

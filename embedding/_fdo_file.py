@@ -28,6 +28,8 @@ File format (JSON, UTF-8), version 1:
         "partition_histogram": {"values": [V ints], "counts": [N lists of V ints]}
       }
     },
+    "layout": {"<entry>": <string, integer,      # optional: what the stats
+               bool or list of integers>},       # depend on (`embedding.FdoLayout`)
     "tables": {                                  # optional, offline job only
       "<logical table>": {"ids": int, "distinct_ids": int,
                           "top_ids": [[id, count], ...]}
@@ -176,6 +178,9 @@ class FdoStats:
       batches: global batches the stats cover.
       stacks: per stacked table name.
       tables: per logical table, its id frequencies (offline job; may be empty).
+      layout: what the stats depend on (`FdoLayout.entries`; may be empty):
+        a run of the same layout may use them, and a mismatch names the
+        entries that changed.
 
     Raises:
       ValueError: stats of another shape than the geometry's, or that
@@ -188,6 +193,7 @@ class FdoStats:
     batches: int
     stacks: Mapping[str, StackFdoStats]
     tables: Mapping[str, TableIdFrequency] = dataclasses.field(default_factory=dict)
+    layout: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.config_hash, str):
@@ -245,6 +251,7 @@ def _to_document(stats: FdoStats) -> dict:
             name: {"ids": t.ids, "distinct_ids": t.distinct_ids, "top_ids": list(t.top_ids)}
             for name, t in stats.tables.items()
         },
+        **({"layout": dict(stats.layout)} if stats.layout else {}),
     }
 
 
@@ -267,7 +274,7 @@ def _from_document(document: Any) -> FdoStats:
             "stats with this sparseflow",
         )
     required = ("format", "version", "config_hash", "geometry", "batches", "stacks")
-    json_object(root, "", required=required, optional=("tables",))
+    json_object(root, "", required=required, optional=("tables", "layout"))
     if not isinstance(root["config_hash"], str):
         raise SchemaError("config_hash", f"must be a string, got {root['config_hash']!r}")
     geometry = _geometry(root["geometry"])
@@ -282,7 +289,21 @@ def _from_document(document: Any) -> FdoStats:
             name: _stack(s, item("stacks", name), geometry, batches) for name, s in stacks.items()
         },
         tables={name: _table(t, item("tables", name)) for name, t in tables.items()},
+        layout=_layout(root.get("layout", {})),
     )
+
+
+def _layout(value: Any) -> dict[str, Any]:
+    entries = json_object(value, "layout")
+    for name, entry in entries.items():
+        scalar = isinstance(entry, str | int)  # bools are ints
+        listed = isinstance(entry, list) and all(type(v) is int for v in entry)
+        if not (scalar or listed):
+            raise SchemaError(
+                item("layout", name),
+                f"must be a string, integer, bool or list of integers, got {entry!r}",
+            )
+    return entries
 
 
 def _geometry(value: Any) -> FdoGeometry:

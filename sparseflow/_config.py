@@ -208,8 +208,8 @@ class RunConfig:
       synthetic: the synthetic data description of the same features.
       dataset: where the dataset lives.
       source_path: the config file, absolute.
-      config_hash: sha256 hex digest of the parsed YAML as canonical JSON;
-        matches stats files (FDO) to the config they were computed for.
+      config_hash: sha256 hex digest of the parsed YAML as canonical JSON
+        (FDO stats are matched to a run by `fdo_layout` instead).
       model: the dense tower's sizes and optimizer.
       training: how `sparseflow train` runs.
     """
@@ -227,6 +227,31 @@ class RunConfig:
     config_hash: str
     model: ModelConfig = ModelConfig()
     training: TrainingConfig = TrainingConfig()
+
+    @property
+    def fdo_layout(self) -> embedding.FdoLayout:
+        """What this run's FDO stats depend on: stats of the same layout serve the run.
+
+        The tables' vocabularies and dimensions, the features and stacks, the
+        mesh, the global batch and the preprocessing switches: a learning rate,
+        an initializer, the dense tower or a configured limit can change
+        without recomputing the stats.
+        """
+        geometry = embedding.FdoGeometry(
+            global_batch_size=self.global_batch_size,
+            devices=self.mesh.devices,
+            partitions_per_device=self.mesh.partitions_per_device,
+            processes=self.mesh.processes,
+        )
+        p = self.preprocessing
+        extra = {
+            "preprocessing.allow_id_dropping": p.allow_id_dropping,
+            "preprocessing.invalid_ids": p.invalid_id_policy.value,
+            "preprocessing.enable_minibatching": p.enable_minibatching,
+        }
+        weighted = self.synthetic.feature_layout().weighted
+        extra.update({f"features.{name}.weighted": name in weighted for name in self.feature_specs})
+        return embedding.fdo_layout(self.feature_specs, geometry, extra=extra)
 
 
 @dataclasses.dataclass(frozen=True)

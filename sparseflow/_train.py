@@ -120,7 +120,7 @@ def _feature_specs(config: RunConfig, options: TrainOptions, mesh: Mesh):
         return specs
     stats = embedding.load_fdo_stats(
         options.fdo_dir,
-        expected_config_hash=config.config_hash,
+        expected_config_hash=config.fdo_layout,
         expected_geometry=fdo_geometry(config),
     )
     return embedding.apply_fdo(specs, stats, headroom=config.training.fdo_headroom)

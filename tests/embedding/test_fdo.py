@@ -366,3 +366,60 @@ def test_applied_limits_make_the_same_data_drop_nothing(tmp_path):
         for hosts in batches:
             for features in hosts:
                 _preprocess(features, tighter, allow_id_dropping=False)
+
+
+_LAYOUT = embedding.FdoLayout(
+    entries={"tables.t.vocabulary_size": 100, "tables.t.stack": "t", "features.f.shape": [8, 1]}
+)
+
+
+def test_stats_keep_their_layout_through_the_file(tmp_path):
+    stats = dataclasses.replace(_stats(), layout=_LAYOUT.entries)
+    embedding.write_fdo_stats(stats, tmp_path, source="offline")
+    loaded = embedding.load_fdo_stats(
+        tmp_path, expected_config_hash=_LAYOUT, expected_geometry=GEOMETRY
+    )
+    assert loaded.layout == _LAYOUT.entries
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (_LAYOUT.entries, r"tables.t.vocabulary_size: 100 in the stats, 120 now\)"),
+        ({}, "the stats hold no layout"),
+    ],
+    ids=["with its layout", "without a layout"],
+)
+def test_stats_of_another_layout_name_what_changed(tmp_path, layout, message):
+    stats = dataclasses.replace(_stats(), layout=layout)
+    embedding.write_fdo_stats(stats, tmp_path, source="offline")
+    grown = embedding.FdoLayout(entries={**_LAYOUT.entries, "tables.t.vocabulary_size": 120})
+    with pytest.raises(embedding.FdoStatsError, match=message):
+        embedding.load_fdo_stats(tmp_path, expected_config_hash=grown, expected_geometry=GEOMETRY)
+
+
+def test_a_layout_entry_of_another_type_is_refused():
+    document = _document(_stats())
+    document["layout"] = {"tables.t.vocabulary_size": 1.5}
+    with pytest.raises(embedding.FdoStatsError, match=r"layout\['tables.t.vocabulary_size'\]"):
+        embedding.FdoStats.from_json(json.dumps(document))
+
+
+def test_a_client_with_a_layout_merges_stats_of_that_layout_from_other_configs(tmp_path):
+    offline = dataclasses.replace(_stats(7), config_hash="cd" * 32, layout=_LAYOUT.entries)
+    embedding.write_fdo_stats(offline, tmp_path, source="offline")
+    client = embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, layout=_LAYOUT)
+    for features in _host_batches(seed=1, batches=2):
+        client.record(_preprocess(features[0], _specs()))
+    online = client.stats()
+    assert online.layout == _LAYOUT.entries
+    client.publish()
+    merged = client.load()
+    for stack in STACKS:
+        expected = np.maximum(
+            offline.stacks[stack].max_ids_per_partition, online.stacks[stack].max_ids_per_partition
+        )
+        np.testing.assert_array_equal(merged.stacks[stack].max_ids_per_partition, expected)
+    grown = embedding.FdoLayout(entries={**_LAYOUT.entries, "tables.t.stack": "s"})
+    with pytest.raises(embedding.FdoStatsError, match='tables.t.stack: "t" in the stats, "s" now'):
+        embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY, layout=grown).load()

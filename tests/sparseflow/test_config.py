@@ -212,6 +212,49 @@ def test_config_hash_is_canonical_and_tracks_values(tmp_path):
     assert load_config(_write(tmp_path, raw, "three.yaml")).config_hash != first
 
 
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("tables.0.optimizer.learning_rate", 0.5),
+        ("tables.2.initializer.value", 0.5),
+        ("tables.0.max_ids_per_partition", 128),
+        ("tables.2.combiner", "mean"),
+        ("features.1.zipf", 1.1),
+        ("dense_features", 7),
+        ("seed", 4),
+    ],
+)
+def test_fdo_layout_ignores_what_the_stats_do_not_depend_on(tmp_path, path, value):
+    raw = _base()
+    before = load_config(_write(tmp_path, raw, "one.yaml"))
+    _set(path, value)(raw)
+    after = load_config(_write(tmp_path, raw, "two.yaml"))
+    assert after.config_hash != before.config_hash
+    assert after.fdo_layout == before.fdo_layout
+
+
+@pytest.mark.parametrize(
+    "path, value, named",
+    [
+        ("tables.0.vocabulary_size", 2000, "tables.a.vocabulary_size: 1000 in the stats, 2000 now"),
+        ("tables.2.embedding_dim", 8, "tables.c.embedding_dim: 16 in the stats, 8 now"),
+        ("features.1.table", "c", 'features.fa2.table: "a" in the stats, "c" now'),
+        ("features.2.weighted", False, "features.fb.weighted: true in the stats, false now"),
+        ("global_batch_size", 128, "geometry.global_batch_size: 64 in the stats, 128 now"),
+        ("mesh.partitions_per_device", 4, "geometry.partitions_per_device: 2 in the stats, 4"),
+        ("preprocessing.invalid_ids", "raise", 'invalid_ids: "drop" in the stats, "raise" now'),
+        ("stacks", None, 'tables.b.stack: "a_b" in the stats, "b" now'),
+    ],
+)
+def test_fdo_layout_names_what_changed(tmp_path, path, value, named):
+    raw = _base()
+    before = load_config(_write(tmp_path, raw, "one.yaml")).fdo_layout
+    _set(path, value)(raw)
+    after = load_config(_write(tmp_path, raw, "two.yaml")).fdo_layout
+    assert after.key != before.key
+    assert any(named in line for line in after.differences(before.entries))
+
+
 def _set(path: str, value):
     """A mutation of the base config: sets the entry at a dotted path."""
 
