@@ -4,12 +4,15 @@ import json
 import socket
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 import yaml
+from jax.sharding import Mesh
 
 import embedding
 import pipelines
-from sparseflow import RunConfig, _cli, load_config
+from sparseflow import RunConfig, _cli, _train, load_config
 
 
 def _config(tmp_path: Path) -> Path:
@@ -122,7 +125,16 @@ def test_stats_serve_a_new_learning_rate_and_refuse_a_new_vocabulary(tmp_path, c
         out, expected_config_hash=tuned.fdo_layout, expected_geometry=geometry
     )
     assert stats.batches == 4
+    # Training reads them the same way: the tuned run takes the stats' limits.
+    mesh = Mesh(np.array(jax.devices()[:4]), ("devices",))
+    options = _train.TrainOptions(data=str(config.dataset.dir), fdo_dir=out)
+    prepared = embedding.prepare_feature_specs_for_training(tuned.feature_specs, 4, 2)
+    assert _train._feature_specs(tuned, options, mesh) == embedding.apply_fdo(
+        prepared, stats, headroom=tuned.training.fdo_headroom
+    )
     grown = _changed(config_path, "grown.yaml", vocabulary)
+    with pytest.raises(embedding.FdoStatsError, match="tables.b.vocabulary_size"):
+        _train._feature_specs(grown, options, mesh)
     with pytest.raises(
         embedding.FdoStatsError, match="tables.b.vocabulary_size: 50 in the stats, 60 now"
     ):
