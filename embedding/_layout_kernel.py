@@ -47,9 +47,10 @@ def scan_sorted_entries(
       slot_capacity: buffer entries per slot (a multiple of 8).
       max_ids: max entries kept per group.
       max_unique: max distinct local ids kept per group.
-      embedding_ids: `int32[slots * slot_capacity]` output, pre-filled padding.
-      sample_ids: `int32[slots * slot_capacity]` output, pre-filled padding.
-      gains_out: `float32[slots * slot_capacity]` output, pre-filled padding.
+      embedding_ids: `int32[slots * slot_capacity]` output, pre-filled padding;
+        only each slot's start up to its aligned end is written.
+      sample_ids: `int32[slots * slot_capacity]` output, likewise.
+      gains_out: `float32[slots * slot_capacity]` output, likewise.
 
     Returns:
       `(counts, unique, kept)`: `int64[num_groups]` merged entries, distinct
