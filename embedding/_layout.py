@@ -73,7 +73,8 @@ class StackLayout(NamedTuple):
       max_ids_per_partition: `int32[L * N]` max over a device's slots.
       max_unique_ids_per_partition: `int32[L * N]`.
       required_buffer_size_per_sc: `int32[L * S]`.
-      dropped: entries dropped by limits or buffer size (after merging).
+      dropped: input ids dropped by limits or buffer size, every occurrence
+        of a merged entry counted (as jax-tpu-embedding counts them).
       num_minibatches: minibatches the layout holds (1 without minibatching).
     """
 
@@ -318,7 +319,7 @@ def lay_out_sorted(
     mb_bits = _log2(g.max_minibatches)
     packed = stack.packed if minibatches is None else _with_minibatches(stack, g, minibatches)
     buffers, (embedding_ids, sample_ids, out_gains) = _BUFFERS.acquire(g.local_devices * g.coo_size)
-    counts, unique_counts, kept = scan_sorted_entries(
+    counts, unique_counts, kept, dropped = scan_sorted_entries(
         packed,
         stack.index_bits,
         _NO_GAINS if stack.gains is None else stack.gains,
@@ -335,7 +336,6 @@ def lay_out_sorted(
         sample_ids,
         out_gains,
     )
-    dropped = int(counts.sum() - kept.sum())
     _mark_written(buffers, kept, g)
     # A later call reuses these buffers and pads again only what this one
     # wrote; read-only views keep writes by the caller from going unpadded.
@@ -352,7 +352,7 @@ def lay_out_sorted(
         sample_ids=sample_ids,
         gains=out_gains,
         **_batch_stats(counts, unique_counts, g, used),
-        dropped=dropped,
+        dropped=int(dropped),
         num_minibatches=1 if minibatches is None else int(minibatches[-1]) + 1,
     )
 

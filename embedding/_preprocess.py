@@ -98,7 +98,9 @@ class SparseDenseMatmulInputStats:
       max_unique_ids_per_partition: `int32[L * N]`.
       required_buffer_size_per_sc: `int32[L * S]`, sum over partitions of the
         count rounded up to 8.
-      id_drop_counters: entries dropped by limits or buffer size.
+      id_drop_counters: input ids dropped by limits or buffer size, every
+        occurrence merged into a dropped entry counted (as jax-tpu-embedding
+        counts them).
       invalid_id_counters: out-of-range ids dropped (policy "drop").
     """
 
