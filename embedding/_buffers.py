@@ -94,7 +94,7 @@ class PaddedBuffers:
         return self._owners[i][start : start + self._nbytes[i]].view(_DTYPES[i])
 
 
-def pad(arrays: LayoutArrays, written: tuple[np.ndarray, np.ndarray] | None) -> None:
+def _pad(arrays: LayoutArrays, written: tuple[np.ndarray, np.ndarray] | None) -> None:
     """Writes the padding over `written` ranges, or over everything if None."""
     for array, value in zip(arrays, _PADDING):
         if written is None:
@@ -128,5 +128,5 @@ class BufferPool:
             # Taking the views inside the lock marks the buffers in use before
             # another thread can look at them.
             arrays, written = buffers.take()
-        pad(arrays, written)
+        _pad(arrays, written)
         return buffers, arrays

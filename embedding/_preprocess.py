@@ -327,6 +327,8 @@ def preprocess_sparse_dense_matmul_input(
 
     Returns:
       `(PreprocessedInput, SparseDenseMatmulInputStats)`, keyed by stack name.
+      The layout's id, sample and gain arrays are read-only: once nothing
+      refers to them any more, a later call reuses their memory.
 
     Raises:
       ValueError: bad specs, bad input (naming the feature and row), or a limit
