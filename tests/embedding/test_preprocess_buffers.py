@@ -5,6 +5,7 @@ A call pads again only what the previous layout wrote into a reused buffer
 padding included, against the slow reference of docs/design.md section 2.
 """
 
+import jax
 import numpy as np
 import pytest
 from reference_layout import reference_layout
@@ -82,6 +83,17 @@ def test_a_held_output_is_neither_reused_nor_changed():
     for field, values in before.items():
         np.testing.assert_array_equal(getattr(first, field)["t"], values, err_msg=field)
     _assert_equals_reference(second, SPARSE)
+
+
+def test_a_buffer_a_device_array_aliases_is_not_reused():
+    # On CPU, placing an aligned host array aliases its memory; the device
+    # array must keep the buffer from being reused once the host output is gone.
+    first = _run(DENSE)
+    want = np.copy(first.lhs_embedding_ids["t"])
+    placed = jax.device_put(first.lhs_embedding_ids["t"])
+    del first
+    _run(SPARSE)
+    np.testing.assert_array_equal(np.asarray(placed), want)
 
 
 @pytest.mark.parametrize("field", FIELDS[1:])
