@@ -4,6 +4,7 @@ This package imports none of sparseflow's other packages.
 """
 
 from embedding import initializers
+from embedding._buffers import aligned_empty
 from embedding._fdo_client import (
     FdoClient,
     OnMismatch,
@@ -17,7 +18,7 @@ from embedding._fdo_geometry import FdoGeometry
 from embedding._fdo_layout import FdoLayout, fdo_layout
 from embedding._fdo_limits import StackLimits, apply_fdo, fdo_limits, set_stack_limits
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
-from embedding._layout import LimitBreachError, aligned_empty
+from embedding._layout import LimitBreachError
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
 from embedding._minibatch import AllReduceInterface
 from embedding._optimizers import (

@@ -74,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from embedding._buffers import INT32_MAX
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
 from embedding._fdo_invariants import BATCH_MAX_PERCENTILES, check_stack
 from embedding._fdo_schema import (
@@ -86,7 +87,6 @@ from embedding._fdo_schema import (
     json_list,
     json_object,
 )
-from embedding._layout import INT32_MAX
 
 FDO_STATS_FORMAT = "sparseflow.fdo_stats"
 FDO_STATS_VERSION = 1

@@ -12,13 +12,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from embedding._buffers import BufferPool, aligned_empty
 from embedding._layout_kernel import pack_feature_keys, scan_sorted_entries
 from embedding._minibatch import add_minibatch_to_keys, count_buckets, split_mask
 
-INT32_MAX = np.iinfo(np.int32).max
 ALIGNMENT = 8
-_BUFFER_ALIGNMENT = 64
 _NO_GAINS = np.ones(1, np.float32)
+_BUFFERS = BufferPool()
 
 
 class LayoutGeometry(NamedTuple):
@@ -73,7 +73,8 @@ class StackLayout(NamedTuple):
       max_ids_per_partition: `int32[L * N]` max over a device's slots.
       max_unique_ids_per_partition: `int32[L * N]`.
       required_buffer_size_per_sc: `int32[L * S]`.
-      dropped: entries dropped by limits or buffer size (after merging).
+      dropped: input ids dropped by limits or buffer size, every occurrence
+        of a merged entry counted (as jax-tpu-embedding counts them).
       num_minibatches: minibatches the layout holds (1 without minibatching).
     """
 
@@ -98,18 +99,6 @@ def _bits(max_value: int) -> int:
 
 def _round_up8(x: np.ndarray) -> np.ndarray:
     return (x + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
-
-
-def aligned_empty(size: int, dtype) -> np.ndarray:
-    """`dtype[size]` (uninitialized) starting on a 64-byte boundary.
-
-    On CPU devices, placing a host array whose device slices start on such
-    boundaries aliases its memory instead of copying it.
-    """
-    nbytes = size * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + _BUFFER_ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _BUFFER_ALIGNMENT
-    return raw[start : start + nbytes].view(dtype)
 
 
 def _aligned_full(size: int, value, dtype) -> np.ndarray:
@@ -329,11 +318,8 @@ def lay_out_sorted(
     log_n = _log2(n)
     mb_bits = _log2(g.max_minibatches)
     packed = stack.packed if minibatches is None else _with_minibatches(stack, g, minibatches)
-    size = g.local_devices * g.coo_size
-    embedding_ids = _aligned_full(size, INT32_MAX, np.int32)
-    sample_ids = _aligned_full(size, INT32_MAX, np.int32)
-    out_gains = _aligned_full(size, np.nan, np.float32)
-    counts, unique_counts, kept = scan_sorted_entries(
+    buffers, (embedding_ids, sample_ids, out_gains) = _BUFFERS.acquire(g.local_devices * g.coo_size)
+    counts, unique_counts, kept, dropped = scan_sorted_entries(
         packed,
         stack.index_bits,
         _NO_GAINS if stack.gains is None else stack.gains,
@@ -350,7 +336,11 @@ def lay_out_sorted(
         sample_ids,
         out_gains,
     )
-    dropped = int(counts.sum() - kept.sum())
+    _mark_written(buffers, kept, g)
+    # A later call reuses these buffers and pads again only what this one
+    # wrote; read-only views keep writes by the caller from going unpadded.
+    for array in (embedding_ids, sample_ids, out_gains):
+        array.flags.writeable = False
     if dropped and not allow_id_dropping:
         raise LimitBreachError(
             _breach_message(table, g, limits, counts, unique_counts, kept, minibatches)
@@ -362,9 +352,17 @@ def lay_out_sorted(
         sample_ids=sample_ids,
         gains=out_gains,
         **_batch_stats(counts, unique_counts, g, used),
-        dropped=dropped,
+        dropped=int(dropped),
         num_minibatches=1 if minibatches is None else int(minibatches[-1]) + 1,
     )
+
+
+def _mark_written(buffers, kept: np.ndarray, geometry: LayoutGeometry) -> None:
+    """Records each slot's written range: its start up to its aligned end."""
+    g = geometry
+    starts = np.arange(g.num_slots, dtype=np.int64) * g.slot_capacity
+    ends = _round_up8(kept.reshape(g.num_slots, -1)).sum(axis=1)
+    buffers.mark_written(starts, starts + ends)
 
 
 def _row_pointers(kept: np.ndarray, geometry: LayoutGeometry) -> np.ndarray:

@@ -47,13 +47,16 @@ def scan_sorted_entries(
       slot_capacity: buffer entries per slot (a multiple of 8).
       max_ids: max entries kept per group.
       max_unique: max distinct local ids kept per group.
-      embedding_ids: `int32[slots * slot_capacity]` output, pre-filled padding.
-      sample_ids: `int32[slots * slot_capacity]` output, pre-filled padding.
-      gains_out: `float32[slots * slot_capacity]` output, pre-filled padding.
+      embedding_ids: `int32[slots * slot_capacity]` output, pre-filled padding;
+        only each slot's start up to its aligned end is written.
+      sample_ids: `int32[slots * slot_capacity]` output, likewise.
+      gains_out: `float32[slots * slot_capacity]` output, likewise.
 
     Returns:
-      `(counts, unique, kept)`: `int64[num_groups]` merged entries, distinct
-      local ids, and entries written, per group.
+      `(counts, unique, kept, dropped)`: `int64[num_groups]` merged entries,
+      distinct local ids, and entries written, per group; and the input
+      entries not written, every occurrence merged into a dropped entry
+      counted (jax-tpu-embedding's drop count).
     """
     counts = np.zeros(num_groups, np.int64)
     unique = np.zeros(num_groups, np.int64)
@@ -68,6 +71,7 @@ def scan_sorted_entries(
     slot_offset = np.int64(0)
     rank = np.int64(-1)
     last_out = np.int64(-1)
+    dropped = np.int64(0)
     for i in range(packed.size):
         value = packed[i]
         key = value >> index_bits
@@ -75,6 +79,8 @@ def scan_sorted_entries(
         if key == prev_key:
             if last_out >= 0:
                 gains_out[last_out] += gain
+            else:
+                dropped += 1
             continue
         prev_key = key
         next_group = key >> group_shift
@@ -103,7 +109,8 @@ def scan_sorted_entries(
             kept[group] += 1
         else:
             last_out = -1
-    return counts, unique, kept
+            dropped += 1
+    return counts, unique, kept, dropped
 
 
 @numba.njit(cache=True, nogil=True)

@@ -98,7 +98,9 @@ class SparseDenseMatmulInputStats:
       max_unique_ids_per_partition: `int32[L * N]`.
       required_buffer_size_per_sc: `int32[L * S]`, sum over partitions of the
         count rounded up to 8.
-      id_drop_counters: entries dropped by limits or buffer size.
+      id_drop_counters: input ids dropped by limits or buffer size, every
+        occurrence merged into a dropped entry counted (as jax-tpu-embedding
+        counts them).
       invalid_id_counters: out-of-range ids dropped (policy "drop").
     """
 
@@ -325,6 +327,8 @@ def preprocess_sparse_dense_matmul_input(
 
     Returns:
       `(PreprocessedInput, SparseDenseMatmulInputStats)`, keyed by stack name.
+      The layout's id, sample and gain arrays are read-only: once nothing
+      refers to them any more, a later call reuses their memory.
 
     Raises:
       ValueError: bad specs, bad input (naming the feature and row), or a limit

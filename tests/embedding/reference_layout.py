@@ -41,6 +41,7 @@ class ReferenceStack:
     max_ids_per_partition: list[int]
     max_unique_ids_per_partition: list[int]
     required_buffer_size_per_sc: list[int]
+    # Input ids dropped: every occurrence merged into a dropped entry.
     id_drop_counter: int = 0
     invalid_id_counter: int = 0
     # (device, slot, partition) whose entries exceed a limit.
@@ -121,9 +122,11 @@ def _members(stack_features) -> list[_Member]:
 
 def _slot_entries(
     members, ids, weights, *, device, slot, slots, partitions, combiner, drop_invalid
-) -> tuple[dict[tuple[int, int, int], float], int]:
-    """Section 2, items 1-4 for one slot: `{(partition, local_id, sample): gain}`."""
+) -> tuple[dict[tuple[int, int, int], float], dict[tuple[int, int, int], int], int]:
+    """Section 2, items 1-4 for one slot: `{(partition, local_id, sample): gain}`,
+    the input ids merged into each entry, and the invalid ids."""
     merged: dict[tuple[int, int, int], float] = {}
+    occurrences: dict[tuple[int, int, int], int] = {}
     invalid = 0
     sample_offset = 0
     for m in members:
@@ -145,8 +148,9 @@ def _slot_entries(
                 col = column(feature_id, m.col_shift, m.col_offset, partitions)
                 key = (col % partitions, col // partitions, sample_offset + j)
                 merged[key] = merged.get(key, 0.0) + gain
+                occurrences[key] = occurrences.get(key, 0) + 1
         sample_offset += m.samples_per_slot
-    return merged, invalid
+    return merged, occurrences, invalid
 
 
 def _by_partition(merged: dict, partitions: int) -> list[list[tuple[int, int, float]]]:
@@ -169,13 +173,21 @@ def _count(out: ReferenceStack, by_partition, *, device: int, slot: int, slots: 
 
 
 def _write_slot(
-    out: ReferenceStack, by_partition, stacked, *, device: int, slot: int, slots: int
+    out: ReferenceStack,
+    by_partition,
+    occurrences,
+    stacked,
+    *,
+    device: int,
+    slot: int,
+    slots: int,
 ) -> None:
     """Section 2, items 5 and 6: limits, then the slot's segments and pointers.
 
     Entries that find the slot's buffer full are dropped and counted: the
     design text leaves the order open, and the reference package fills a
-    slot in buffer order until it is full.
+    slot in buffer order until it is full. A dropped entry counts every input
+    id merged into it, as the reference package counts drops.
     """
     partitions = len(by_partition)
     width = max(partitions, ALIGNMENT)
@@ -189,10 +201,10 @@ def _write_slot(
         )
         if len(kept) < len(entries):
             out.limit_breaches.append((device, slot, p))
-            out.id_drop_counter += len(entries) - len(kept)
+            out.id_drop_counter += sum(occurrences[p, e[0], e[1]] for e in entries[len(kept) :])
         for local_id, sample, gain in kept:
             if position == capacity:
-                out.id_drop_counter += 1
+                out.id_drop_counter += occurrences[p, local_id, sample]
                 if (device, slot) not in out.buffer_overflows:
                     out.buffer_overflows.append((device, slot))
                 continue
@@ -228,7 +240,7 @@ def _layout_stack(
     )
     for device in range(local):
         for slot in range(slots):
-            merged, invalid = _slot_entries(
+            merged, occurrences, invalid = _slot_entries(
                 members,
                 ids,
                 weights,
@@ -242,7 +254,9 @@ def _layout_stack(
             out.invalid_id_counter += invalid
             by_partition = _by_partition(merged, partitions)
             _count(out, by_partition, device=device, slot=slot, slots=slots)
-            _write_slot(out, by_partition, stacked, device=device, slot=slot, slots=slots)
+            _write_slot(
+                out, by_partition, occurrences, stacked, device=device, slot=slot, slots=slots
+            )
     return out
 
 

@@ -234,6 +234,54 @@ def test_dropping_with_both_limits(max_ids, max_unique, kept):
     )
 
 
+# N = S = 2, n = 1; every id below is even, so all go to p0 as local id // 2.
+# The drop count is of input ids, every occurrence merged into a dropped entry
+# counted, as jax-tpu-embedding 0.1.0 reports it (6 and 4 here).
+DROPS_COUNT_OCCURRENCES = [
+    # max_unique 1: slot 0 keeps local 0 (ids 0, 0: gain 2) and drops locals
+    # 1, 2 (ids 2, 2, 4, 4); slot 1 keeps local 3 (6, 6) and drops local 4 (8, 8).
+    pytest.param([[0, 0, 2, 2, 4, 4], [6, 6, 8, 8]], 8, 1, [2.0, 2.0], 6, id="max_unique"),
+    # max_ids 1: slot 0 keeps local 0 (ids 0, 0, 0: gain 3) and drops local 1
+    # (id 2) and local 2 (4, 4, 4); slot 1 keeps local 3 (6).
+    pytest.param([[0, 0, 0, 2, 4, 4, 4], [6]], 1, 8, [3.0, 1.0], 4, id="max_ids"),
+]
+
+
+@pytest.mark.parametrize(
+    ("rows", "max_ids", "max_unique", "gains", "drops"), DROPS_COUNT_OCCURRENCES
+)
+def test_drops_count_every_merged_occurrence(rows, max_ids, max_unique, gains, drops):
+    # coo = roundup8(max_ids) * S * N = 32 in both cases, 16 per slot.
+    table = Table(
+        name="t",
+        vocabulary_size=16,
+        max_ids_per_partition=max_ids,
+        max_unique_ids_per_partition=max_unique,
+    )
+    result = _preprocess(
+        {"f": _ragged(rows)},
+        None,
+        {"f": _feature("f", table, 2)},
+        slots=2,
+        allow_id_dropping=True,
+    )
+    _assert_layout(
+        result,
+        "t",
+        Expected(
+            row_pointers=[1] + [8] * 7 + [1] + [8] * 7,
+            embedding_ids=[0] + [P] * 15 + [3] + [P] * 15,
+            sample_ids=([0] + [P] * 15) * 2,
+            gains=[gains[0]] + [X] * 15 + [gains[1]] + [X] * 15,
+            # Stats count merged entries before dropping: slot 0 has 3 in p0.
+            max_ids_per_partition=[3, 0],
+            max_unique_ids_per_partition=[3, 0],
+            required_buffer_size_per_sc=[8, 8],
+            id_drop_counter=drops,
+        ),
+    )
+
+
 def test_buffer_too_small_drops_the_tail_of_a_slot():
     # N = S = 1; the suggested buffer holds 8 entries, the limits do not bind.
     # Sorted (id, sample): (0,0) (1,0) (2,1) (3,1) (4,2) (5,2) (6,3) (7,3) (8,3);
