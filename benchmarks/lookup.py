@@ -49,6 +49,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import _zipf_batches
@@ -100,6 +101,9 @@ def start_runners(
     return runners
 
 
+SETTLE_SECONDS = 0.5
+
+
 def measure(
     optimizer: str, runners: dict[str, LineProcess], rounds: int, steps: int
 ) -> tuple[dict[str, dict], dict[str, list[list[float]]]]:
@@ -119,6 +123,9 @@ def measure(
     ready = [name for name in RUNNERS if setups[name]["ok"]]
     times: dict[str, list[list[float]]] = {name: [] for name in ready}
     for _, name in alternating(ready, rounds):
+        # Thread pools spin for a while after their last task (OpenMP's and
+        # XLA's); a pause keeps one runner's spinning out of the next's times.
+        time.sleep(SETTLE_SECONDS)
         times[name].append(runners[name].call(f"time {steps}")["step_ms"])
     return setups, times
 
