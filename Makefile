@@ -9,7 +9,7 @@ KERNELS := $(VENV)/.kernels
 TORCHREC_VENV := .venv-torchrec
 TORCHREC_STAMP := $(TORCHREC_VENV)/.installed
 
-.PHONY: demo test bench-env bench-torchrec clean
+.PHONY: demo test lint bench-env bench-torchrec clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: $(KERNELS)
 
 test: $(KERNELS)
 	$(PY) -m pytest -q
+
+# The style the code is written in: lint rules and formatting, as pyproject.toml sets them.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The benchmark peers (jax-tpu-embedding) go into the same .venv on demand.
 bench-env: $(STAMP)
