@@ -6,6 +6,7 @@ import dataclasses
 import fractions
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 
@@ -39,55 +40,80 @@ class StackLimits:
             )
 
 
-def _scaled(value: int, headroom: fractions.Fraction) -> int:
+class _Margins(NamedTuple):
+    """What limits add over an observed count: a factor, and `spread` times
+    the count's square root, whichever is more."""
+
+    factor: fractions.Fraction
+    spread: float
+
+
+def _scaled(value: int, margins: _Margins) -> int:
     # Exact arithmetic: 100 * 1.1 in floats rounds up to 111.
-    return max(1, math.ceil(value * headroom))
+    by_headroom = math.ceil(value * margins.factor)
+    by_spread = value + math.ceil(margins.spread * math.sqrt(value))
+    return max(1, by_headroom, by_spread)
 
 
-def _headroom(headroom: float) -> fractions.Fraction:
-    if isinstance(headroom, bool) or not isinstance(headroom, int | float):
-        raise TypeError(f"headroom must be a number, got {headroom!r}.")
+def _margins(headroom: float, spread_margin: float) -> _Margins:
+    for name, value in (("headroom", headroom), ("spread_margin", spread_margin)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a number, got {value!r}.")
     if not (math.isfinite(headroom) and headroom >= 1):
         raise ValueError(f"headroom must be a finite number >= 1 (e.g. 1.1), got {headroom!r}.")
-    return fractions.Fraction(repr(float(headroom)))
+    if not (math.isfinite(spread_margin) and spread_margin >= 0):
+        raise ValueError(f"spread_margin must be a finite number >= 0, got {spread_margin!r}.")
+    return _Margins(fractions.Fraction(repr(float(headroom))), float(spread_margin))
 
 
-def fdo_limits(stats: FdoStats, *, headroom: float = 1.1) -> dict[str, StackLimits]:
+def fdo_limits(
+    stats: FdoStats, *, headroom: float = 1.1, spread_margin: float = 4.0
+) -> dict[str, StackLimits]:
     """The limits the stats call for, per stacked table.
 
     `max_ids_per_partition` and `max_unique_ids_per_partition`: the maximum
     over partitions times `headroom`, rounded up; the buffer: the maximum
     required size of a partition slot times S times `headroom`, rounded up
-    to a multiple of `8 * S` (as the layout needs).
+    to a multiple of `8 * S` (as the layout needs). Each is at least the
+    observed count plus `spread_margin` times its square root.
+
+    Why the spread margin: a count of ids per partition and batch is a sum of
+    many small independent contributions, so it varies from batch to batch
+    by about its square root (as a Poisson count does), and the batches
+    training draws (shuffled, over many epochs) reach past the ones the stats
+    saw. A fixed factor covers that for large counts only: a census column of
+    15 values peaked at 16 ids per partition in 10 batches in file order and
+    at 19 in 20 shuffled epochs, past the 18 a 1.1 headroom allows
+    (`tests/embedding/test_fdo.py`). Repeats of one id cannot be split by
+    minibatching, so a breach there stops training.
 
     Raises:
       ValueError: a bad headroom, or one that takes a buffer past the int32
         indices of the layout (stats near the largest buffer the geometry
         allows).
     """
-    factor = _headroom(headroom)
+    margins = _margins(headroom, spread_margin)
     return {
-        name: _stack_limits(name, stack, stats.geometry.partitions_per_device, factor)
+        name: _stack_limits(name, stack, stats.geometry.partitions_per_device, margins)
         for name, stack in stats.stacks.items()
     }
 
 
-def _stack_limits(
-    name: str, stack: StackFdoStats, slots: int, headroom: fractions.Fraction
-) -> StackLimits:
+def _stack_limits(name: str, stack: StackFdoStats, slots: int, margins: _Margins) -> StackLimits:
     buffer = round_up(
-        _scaled(int(stack.required_buffer_size_per_sc.max()) * slots, headroom), 8 * slots
+        _scaled(int(stack.required_buffer_size_per_sc.max()) * slots, margins), 8 * slots
     )
     # The ids limits stay below the buffer: a partition's ids fit a slot's buffer.
     if buffer > INT32_MAX:
         raise ValueError(
-            f"Stack {name!r}: headroom {float(headroom):g} makes a buffer of {buffer} entries per "
-            f"device, over the {INT32_MAX} int32 indices address; use a smaller headroom."
+            f"Stack {name!r}: headroom {float(margins.factor):g} and spread margin "
+            f"{margins.spread:g} make a buffer of {buffer} entries per device, over the "
+            f"{INT32_MAX} int32 indices address; use smaller margins."
         )
     return StackLimits(
-        max_ids_per_partition=_scaled(int(stack.max_ids_per_partition.max()), headroom),
+        max_ids_per_partition=_scaled(int(stack.max_ids_per_partition.max()), margins),
         max_unique_ids_per_partition=_scaled(
-            int(stack.max_unique_ids_per_partition.max()), headroom
+            int(stack.max_unique_ids_per_partition.max()), margins
         ),
         suggested_coo_buffer_size_per_device=buffer,
     )
@@ -138,7 +164,9 @@ def set_stack_limits(
     return jax.tree.map(replace, prepared)
 
 
-def apply_fdo(feature_specs: Nested, stats: FdoStats, *, headroom: float = 1.1) -> Nested:
+def apply_fdo(
+    feature_specs: Nested, stats: FdoStats, *, headroom: float = 1.1, spread_margin: float = 4.0
+) -> Nested:
     """Prepared specs with every stacked table's limits and buffer set from stats.
 
     Args:
@@ -146,6 +174,8 @@ def apply_fdo(feature_specs: Nested, stats: FdoStats, *, headroom: float = 1.1) 
         the stats were computed for.
       stats: e.g. from `load_fdo_stats` or `FdoClient.load`.
       headroom: factor >= 1 over the observed maxima (see `fdo_limits`).
+      spread_margin: square roots of an observed maximum added at least
+        (see `fdo_limits`); 0 for limits exactly at the maxima.
 
     Returns:
       The same pytree, prepared for the stats' geometry, with new
@@ -171,7 +201,7 @@ def apply_fdo(feature_specs: Nested, stats: FdoStats, *, headroom: float = 1.1) 
         )
     return set_stack_limits(
         prepared,
-        fdo_limits(stats, headroom=headroom),
+        fdo_limits(stats, headroom=headroom, spread_margin=spread_margin),
         global_device_count=geometry.devices,
         num_sc_per_device=geometry.partitions_per_device,
     )

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import math
 import os
 
 import numpy as np
@@ -275,26 +276,75 @@ def test_fdo_limits_hand_case():
         batches=1,
         stacks={
             "ta": embedding.StackFdoStats(
-                max_ids_per_partition=np.r_[100, np.zeros(LOCAL * N - 2, int), 7],
+                max_ids_per_partition=np.r_[2000, np.zeros(LOCAL * N - 2, int), 7],
                 max_unique_ids_per_partition=np.r_[np.zeros(LOCAL * N - 1, int), 7],
-                required_buffer_size_per_sc=[104, 8, 0, 16],
+                required_buffer_size_per_sc=[2000, 8, 0, 16],
             ),
             "tb": _stack_stats(0),
         },
     )
     limits = embedding.fdo_limits(stats, headroom=1.1)
-    # 100 x 1.1 = 110 exactly (not 111 from float rounding); 7 x 1.1 -> 8;
-    # 104 x S=2 x 1.1 = 228.8 -> 229 -> a multiple of 8 x S = 16: 240.
+    # Large counts take the headroom: 2000 x 1.1 = 2200 exactly (not 2201 from
+    # float rounding), above 2000 + 4 x sqrt(2000) -> 2179; the buffer 2000 x
+    # S=2 x 1.1 = 4400, a multiple of 16. Small ones take the spread margin:
+    # 7 + 4 x sqrt(7) -> 18, above 7 x 1.1 -> 8.
     assert limits["ta"] == embedding.StackLimits(
-        max_ids_per_partition=110,
-        max_unique_ids_per_partition=8,
-        suggested_coo_buffer_size_per_device=240,
+        max_ids_per_partition=2200,
+        max_unique_ids_per_partition=18,
+        suggested_coo_buffer_size_per_device=4400,
     )
     assert limits["tb"] == embedding.StackLimits(
         max_ids_per_partition=1,
         max_unique_ids_per_partition=1,
         suggested_coo_buffer_size_per_device=16,
     )
+
+
+def test_fdo_limits_cover_the_spread_of_shuffled_batches():
+    """A table of 15 values, skewed as a census column: limits from 10 batches
+    in file order must hold for 20 epochs of shuffled batches; a fixed 1.1
+    headroom does not (16 ids seen, 18 allowed, 19 drawn)."""
+    rng = np.random.default_rng(0)
+    weights = np.array([30, 15, 10, 8, 7, 6, 5, 4, 4, 3, 3, 2, 1, 1, 1]) / 100
+    values = rng.choice(15, size=5120, p=weights / weights.sum())
+
+    def specs(limit):
+        table = embedding.TableSpec(
+            name="occupation",
+            vocabulary_size=15,
+            embedding_dim=8,
+            initializer=embedding.initializers.Constant(0.0),
+            optimizer=embedding.SGDOptimizerSpec(),
+            combiner="sum",
+            max_ids_per_partition=limit,
+            max_unique_ids_per_partition=limit,
+        )
+        shape = dict(input_shape=[512, 1], output_shape=[512, 8])
+        return {"f": embedding.FeatureSpec(name="f", table_spec=table, **shape)}
+
+    def most_ids(order):
+        most = 0
+        for batch in order.reshape(-1, 512):
+            _, batch_stats = embedding.preprocess_sparse_dense_matmul_input(
+                {"f": values[batch].reshape(-1, 1)}, None, specs(512), 8, 8, num_sc_per_device=2
+            )
+            most = max(most, int(batch_stats.max_ids_per_partition["occupation"].max()))
+        return most
+
+    seen = most_ids(np.arange(values.size))
+    drawn = max(
+        most_ids(np.random.default_rng(epoch).permutation(values.size)) for epoch in range(20)
+    )
+    stack = embedding.StackFdoStats(
+        max_ids_per_partition=np.full(LOCAL * N, seen),
+        max_unique_ids_per_partition=np.full(LOCAL * N, 1),
+        required_buffer_size_per_sc=np.full(LOCAL * SLOTS, 8 * seen),
+    )
+    stats = embedding.FdoStats(
+        config_hash=HASH, geometry=GEOMETRY, batches=10, stacks={"ta": stack}
+    )
+    assert math.ceil(seen * 1.1) < drawn
+    assert embedding.fdo_limits(stats, headroom=1.1)["ta"].max_ids_per_partition >= drawn
 
 
 @pytest.mark.parametrize("headroom", [0.9, float("inf"), float("nan")])
@@ -309,7 +359,8 @@ def test_apply_fdo_returns_new_specs_for_every_feature_of_a_stack():
     stacks = embedding.get_stacked_table_specs(applied)
     assert sorted(stacks) == sorted(STACKS)
     for stack in stacks.values():
-        assert (stack.max_ids_per_partition, stack.max_unique_ids_per_partition) == (15, 8)
+        # 10 + 4 x sqrt(10) -> 23 over 10 x 1.5; 5 + 4 x sqrt(5) -> 14 over 8.
+        assert (stack.max_ids_per_partition, stack.max_unique_ids_per_partition) == (23, 14)
         assert stack.suggested_coo_buffer_size_per_device == 240  # 80 x S=2 x 1.5
     for name in ("b", "c"):
         assert applied[name].table_spec.stacked_table_spec is stacks["tb"]
@@ -343,7 +394,7 @@ def test_applied_limits_make_the_same_data_drop_nothing(tmp_path):
     for client in clients:
         client.publish()
     stats = clients[1].load()
-    tight = embedding.apply_fdo(specs, stats, headroom=1.0)
+    tight = embedding.apply_fdo(specs, stats, headroom=1.0, spread_margin=0.0)
     for hosts in batches:
         for features in hosts:
             result = _preprocess(features, tight, allow_id_dropping=False)
