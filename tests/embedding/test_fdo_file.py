@@ -91,7 +91,7 @@ def test_a_stack_at_the_largest_buffer_the_geometry_allows_loads(tmp_path):
     assert limits.suggested_coo_buffer_size_per_device == 2 * LARGEST_SLOT_BUFFER
     with pytest.raises(
         ValueError,
-        match=r"'t': headroom 1.1 and spread margin 4 make a buffer of 2362232000 entries per device",
+        match=r"'t': headroom 1.1 and spread margin 4 make a buffer of 2362232000 entries",
     ):
         embedding.fdo_limits(stats, headroom=1.1)
 
