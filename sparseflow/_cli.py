@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pipelines
 from sparseflow import _demo, _fdo_command, _launch, _stats_report, _train_command
+from sparseflow._arguments import non_negative_int, positive_int, subcommand
 from sparseflow._config import RunConfig, load_config
 from sparseflow._shipped_configs import shipped_config
 from sparseflow._version import __version__
@@ -57,20 +58,6 @@ def load_cli_config(config: str | os.PathLike) -> RunConfig:
     return load_config(shipped_config(text), relative_to=Path.cwd())
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
 def _formats(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -84,8 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    make = commands.add_parser(
-        "make-data", help="write a synthetic dataset for a config's features"
+    make = subcommand(
+        commands,
+        "make-data",
+        "write a synthetic dataset for a config's features",
+        "sparseflow make-data --config demo --examples 10000 --out /tmp/data",
     )
     make.add_argument(
         "--config",
@@ -97,11 +87,11 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=Path, help="output directory (default: the config's dataset.dir)"
     )
     make.add_argument(
-        "--examples", type=_positive_int, help="examples (default: the config's dataset.examples)"
+        "--examples", type=positive_int, help="examples (default: the config's dataset.examples)"
     )
-    make.add_argument("--seed", type=_non_negative_int, help="seed (default: the config's seed)")
+    make.add_argument("--seed", type=non_negative_int, help="seed (default: the config's seed)")
     make.add_argument(
-        "--shards", type=_positive_int, help="files per format (default: dataset.shards)"
+        "--shards", type=positive_int, help="files per format (default: dataset.shards)"
     )
     make.add_argument(
         "--formats",
@@ -111,34 +101,44 @@ def _parser() -> argparse.ArgumentParser:
     )
     make.set_defaults(run=_make_data)
 
-    demo = commands.add_parser(
+    demo = subcommand(
+        commands,
         "demo",
-        help="the whole job on a config's synthetic data: make it if missing, run the "
+        "the whole job on a config's synthetic data: make it if missing, run the "
         "FDO job, train pipelined, evaluate AUC on the held-out split",
+        "sparseflow demo",
     )
     demo.add_argument("--config", default=DEFAULT_CONFIG, help=_DEFAULT_CONFIG_HELP)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_run_demo)
 
-    stats = commands.add_parser(
+    stats = subcommand(
+        commands,
         "stats",
-        help="make the config's dataset if missing, then parse and preprocess it, "
+        "make the config's dataset if missing, then parse and preprocess it, "
         "and summarize every table",
+        "sparseflow stats --config demo --batches 20",
     )
     stats.add_argument("--config", default=DEFAULT_CONFIG, help=_DEFAULT_CONFIG_HELP)
     stats.add_argument(
-        "--batches", type=_positive_int, help="stop after N global batches (default: one pass)"
+        "--batches", type=positive_int, help="stop after N global batches (default: one pass)"
     )
     stats.set_defaults(run=_run_stats)
 
-    fdo = commands.add_parser(
-        "fdo", help="compute a dataset's FDO stats (limits, buffer sizes) with Apache Beam"
+    fdo = subcommand(
+        commands,
+        "fdo",
+        "compute a dataset's FDO stats (limits, buffer sizes) with Apache Beam",
+        "sparseflow fdo --config demo --runner dask --dask-workers 2 --plot fdo.png",
     )
     _fdo_command.add_arguments(fdo)
     fdo.set_defaults(run=_fdo_command.run)
 
-    train = commands.add_parser(
-        "train", help="train the recommender on a dataset, streaming batches through Grain"
+    train = subcommand(
+        commands,
+        "train",
+        "train the recommender on a dataset, streaming batches through Grain",
+        "sparseflow train --config demo --fdo runs/demo/data/fdo --checkpoint-dir ckpt --resume",
     )
     _train_command.add_arguments(train)
     train.set_defaults(run=_train_command.run)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import beam_jobs
 import embedding
+from sparseflow._arguments import positive_int
 from sparseflow._config import RunConfig
 
 _DEFAULT_FORMAT_DIR = "arrayrecord"
@@ -33,13 +34,6 @@ _RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
 DASK = "dask"
 _DASK_RUNNER = "beam_jobs.dask_runner.DaskRunner"
 _DEFAULT_DASK_WORKERS = 2
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def _headroom(text: str) -> float:
@@ -78,12 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dask-workers",
-        type=_positive_int,
+        type=positive_int,
         help=f"--runner dask: worker processes of the local cluster "
         f"(default: {_DEFAULT_DASK_WORKERS})",
     )
     parser.add_argument(
-        "--direct_num_workers", type=_positive_int, help="in-process runner: parallel workers"
+        "--direct_num_workers", type=positive_int, help="in-process runner: parallel workers"
     )
     parser.add_argument(
         "--direct_running_mode", choices=_RUNNING_MODES, help="in-process runner: how workers run"

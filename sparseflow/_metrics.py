@@ -31,7 +31,12 @@ class Progress:
 
     def __init__(self, *, total: int, initial: int, enabled: bool):
         self._bar = tqdm.tqdm(
-            total=total, initial=initial, unit="step", disable=not enabled, dynamic_ncols=True
+            total=total,
+            initial=initial,
+            unit="step",
+            # None: tqdm turns the bar off where stderr is not a terminal.
+            disable=None if enabled else True,
+            dynamic_ncols=True,
         )
 
     def update(self, trained: int, loss: float | None) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 
 from sparseflow import _launch, _train
+from sparseflow._arguments import non_negative_int, positive_int
 from sparseflow._config import RunConfig
 
 _LAUNCH_TIMEOUT_S = 6 * 3600.0
@@ -27,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", help="training ArrayRecord files, dir or glob (default: the config's dataset)"
     )
     parser.add_argument("--eval-data", help="held-out ArrayRecord data: report its AUC at the end")
-    parser.add_argument("--steps", type=int, help="training steps (default: training.steps)")
+    parser.add_argument(
+        "--steps", type=positive_int, help="training steps (default: training.steps)"
+    )
     parser.add_argument(
         "--pipelined",
         action=argparse.BooleanOptionalAction,
@@ -40,17 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-dir", type=Path, help="TensorBoard event files")
     parser.add_argument(
         "--stop-after",
-        type=int,
-        help="exit abruptly after N steps, as a crash would (for resume checks)",
+        type=positive_int,
+        # A test hook: exit abruptly after N steps, as a crash would.
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--num-processes",
-        type=int,
+        type=positive_int,
         default=1,
         help="processes (hosts); >1 without --process-id starts them locally on 127.0.0.1",
     )
-    parser.add_argument("--process-id", type=int, help="this process's index (several hosts)")
+    parser.add_argument(
+        "--process-id", type=non_negative_int, help="this process's index (several hosts)"
+    )
     parser.add_argument("--coordinator", help="host:port of process 0's coordinator")
     parser.add_argument(
         "--coordinator-bind-address",
@@ -59,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--agreement-port",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="first port of the minibatching agreement (default: training.agreement_port; "
         "a local launch picks a free one)",

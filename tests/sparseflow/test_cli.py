@@ -268,3 +268,59 @@ def test_a_corrupt_fdo_stats_file_is_a_user_error(tmp_path, capsys, text, messag
     stats.write_text(text)
     argv = ["train", "--config", str(_config(tmp_path)), "--fdo", str(stats)]
     _assert_user_error(capsys, argv, f"error: {stats}: {message}")
+
+
+@pytest.mark.parametrize(
+    "argv", [["-v", "stats"], ["stats", "-v"], ["stats", "--verbose", "--batches", "2"]]
+)
+def test_verbose_is_accepted_before_and_after_the_subcommand(argv):
+    assert _cli._parser().parse_args(argv).verbose is True
+
+
+def test_quiet_by_default_before_and_after_the_subcommand():
+    assert _cli._parser().parse_args(["stats"]).verbose is False
+
+
+@pytest.mark.parametrize("command", ["make-data", "demo", "stats", "fdo", "train"])
+def test_every_subcommand_helps_with_a_description_and_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli._parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert f"example:\n  sparseflow {command}" in text
+    description = text.split("\n\n")[1]
+    assert description.endswith(".") and "\n" not in description.strip()[:20]
+
+
+def test_the_crash_hook_is_hidden_from_help(capsys):
+    with pytest.raises(SystemExit):
+        _cli._parser().parse_args(["train", "--help"])
+    assert "--stop-after" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--config", "demo", "--steps", "0"], "must be a positive integer, got 0"),
+        (["train", "--config", "demo", "--steps", "ten"], "must be an integer, got 'ten'"),
+        (["train", "--config", "demo", "--num-processes", "-1"], "must be a positive integer"),
+        (["train", "--config", "demo", "--agreement-port", "-5"], "must be an integer >= 0"),
+        (["fdo", "--config", "demo", "--dask-workers", "0"], "must be a positive integer"),
+    ],
+)
+def test_integer_flags_are_validated(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli._parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_progress_bar_is_off_where_stderr_is_no_terminal():
+    from sparseflow._metrics import Progress
+
+    # Under pytest stderr is captured, not a terminal.
+    bar = Progress(total=3, initial=0, enabled=True)
+    try:
+        assert bar._bar.disable
+    finally:
+        bar.close()
