@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from _line_protocol import reply_stream, serve
 from _lookup_shape import OPTIMIZERS, LookupShape
+from _step_times import step_times
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
@@ -179,13 +180,11 @@ class OurStep:
         return {"step_ms": self._run(int(steps))}
 
     def _run(self, steps: int) -> list[float]:
-        times = []
-        for _ in range(steps):
-            batch = self.inputs[self.next_batch % len(self.inputs)]
-            self.next_batch += 1
-            start = time.perf_counter()
+        def run_step(batch) -> None:
             self.variables = jax.block_until_ready(self.step(self.variables, batch))
-            times.append((time.perf_counter() - start) * 1e3)
+
+        times = step_times(run_step, self.inputs, self.next_batch, steps)
+        self.next_batch += steps
         return times
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 
 import numpy as np
 import torch
@@ -51,6 +50,7 @@ import torch.distributed as dist
 import torchrec
 from _line_protocol import reply_stream, serve
 from _lookup_shape import OPTIMIZERS, LookupShape
+from _step_times import step_times
 from torchrec import optim as trec_optim
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -271,13 +271,10 @@ class Peer:
         return {"step_ms": self._run(int(steps))}
 
     def _run(self, steps: int) -> list[float]:
-        times = []
-        for _ in range(steps):
-            batch = self.inputs[self.next_batch % len(self.inputs)]
-            self.next_batch += 1
-            start = time.perf_counter()
-            step(self.model, batch)
-            times.append((time.perf_counter() - start) * 1e3)
+        times = step_times(
+            lambda batch: step(self.model, batch), self.inputs, self.next_batch, steps
+        )
+        self.next_batch += steps
         return times
 
 
