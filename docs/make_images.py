@@ -8,8 +8,11 @@
 against the step. `--config` names another config's demo run.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (sparseflow first, see below)
 
+# First, unsorted: sparseflow sets TensorFlow's logging defaults and filters Beam's import
+# notice, which must precede the imports of tensorflow and beam_jobs below.
+import sparseflow  # noqa: F401
 import argparse
 from pathlib import Path
 
