@@ -3,6 +3,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# setuptools notes on every editable install of a flat layout that folders named
+# like a package may shadow it; here those folders are the packages. Only that
+# note is filtered: other warnings and every error still show.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 # The lookup's CPU kernels (embedding/_cpu_kernels.cc), built with the
 # machine's g++ against the installed jaxlib's FFI headers.
 KERNELS := $(VENV)/.kernels
@@ -14,7 +18,7 @@ TORCHREC_STAMP := $(TORCHREC_VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 $(KERNELS): $(STAMP) embedding/_cpu_kernels.cc
@@ -36,7 +40,7 @@ lint: $(STAMP)
 
 # The benchmark peers (jax-tpu-embedding) go into the same .venv on demand.
 bench-env: $(STAMP)
-	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ".[dev,bench]"
 
 # TorchRec, the peer of benchmarks/lookup.py, needs torch: it gets its own
 # environment. fbgemm-gpu-cpu 1.8 matches torch 2.13 (1.9 is built for a newer

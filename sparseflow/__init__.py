@@ -4,6 +4,8 @@ The library lives in `embedding`, `parallel`, `pipelines` and `beam_jobs`;
 this package only wires them together for a run described by a YAML config.
 """
 
+# First: it sets the logging environment before the imports below load TensorFlow and Beam.
+from sparseflow import _quiet_imports  # noqa: F401
 from sparseflow._config import (
     ConfigError,
     DatasetConfig,

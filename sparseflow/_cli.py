@@ -187,9 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.argv = argv
+    # force: Beam's import already gave the root logger a handler (a warning
+    # it logs calls basicConfig), which would otherwise keep its level and format.
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
+        force=True,
     )
     try:
         args.run(args, load_cli_config(args.config))

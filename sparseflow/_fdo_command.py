@@ -143,7 +143,8 @@ def _dask_address(args: argparse.Namespace) -> Iterator[str | None]:
         yield address
 
 
-def _configured_limits(config: RunConfig) -> dict[str, int]:
+def configured_limits(config: RunConfig) -> dict[str, int]:
+    """Per stacked table, the `max_ids_per_partition` the config sets (what FDO replaces)."""
     prepared = embedding.prepare_feature_specs_for_training(
         config.feature_specs, config.mesh.devices, config.mesh.partitions_per_device
     )
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
     )
     print(f"FDO stats: {result.stats_path}")
     print(f"Dead letters: {result.dead_letters_path}")
-    configured = _configured_limits(config)
+    configured = configured_limits(config)
     limits = embedding.fdo_limits(result.stats, headroom=args.headroom)
     print(f"Limits at headroom {args.headroom:g} (configured max ids in brackets):")
     for name, limit in limits.items():

@@ -73,3 +73,27 @@ def test_every_citation_names_an_existing_section_of_docs_design():
         if path != Path(__file__) and stale_references(text):
             problems.append(f"{path}: cites {stale_references(text)}, not docs/design.md")
     assert not problems, "\n".join(problems)
+
+
+# A Markdown link or image to a relative target: [text](target) or ![alt](target).
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def relative_links(text: str) -> list[str]:
+    return [t for t in _LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_links_are_read():
+    text = "[a](docs/a.md) ![b](images/b.png) [c](https://x.org/c) [d](d.md#part)"
+    assert relative_links(text) == ["docs/a.md", "images/b.png", "d.md"]
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_exists():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = [
+        f"{page.relative_to(REPO)}: {target}"
+        for page in pages
+        for target in relative_links(page.read_text())
+        if not (page.parent / target).exists()
+    ]
+    assert not broken, "\n".join(broken)

@@ -74,7 +74,8 @@ def test_wheel_holds_the_package_data_and_the_license(wheel):
         "sparseflow/configs/demo.yaml",
         "sparseflow/configs/benchmark.yaml",
     } <= names
-    assert any(name.endswith(".dist-info/LICENSE") for name in names), sorted(names)
+    # Where PEP 639 puts the files of `project.license-files`.
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names), sorted(names)
 
 
 def test_installed_package_is_the_wheels(venv, tmp_path):
