@@ -451,53 +451,51 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfGatherRows, GatherRows,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPool, Pool,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Pool and its transpose take the same operands: entry index, samples,
+// gains, and the rows (or the samples' gradients).
+static auto PoolBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPoolTranspose, PoolTranspose,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The operands every update shares: received rows and gradients, learning
+// rate, the stack's table starts and dims, and the table.
+static auto UpdateBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPool, Pool, PoolBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPoolTranspose, PoolTranspose, PoolBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfUpdateSgd, UpdateSgd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              UpdateBinding()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("runs")
                                   .Attr<int64_t>("rows_per_partition")
                                   .Attr<float>("epsilon"));
 
-#define SF_UPDATE_WITH_SLOT_HANDLER(name, rule)                              \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, UpdateWithSlot<rule>,                  \
-                                ffi::Ffi::Bind()                             \
-                                    .Ctx<ffi::ThreadPool>()                  \
-                                    .Arg<ffi::Buffer<ffi::S32>>()            \
-                                    .Arg<ffi::Buffer<ffi::F32>>()            \
-                                    .Arg<ffi::Buffer<ffi::F32>>()            \
-                                    .Arg<ffi::Buffer<ffi::S32>>()            \
-                                    .Arg<ffi::Buffer<ffi::S32>>()            \
-                                    .Arg<ffi::Buffer<ffi::F32>>()            \
-                                    .Arg<ffi::Buffer<ffi::F32>>()            \
-                                    .Ret<ffi::Buffer<ffi::F32>>()            \
-                                    .Ret<ffi::Buffer<ffi::F32>>()            \
-                                    .Attr<int64_t>("runs")                   \
-                                    .Attr<int64_t>("rows_per_partition")     \
+// With a slot: one more operand (the slot) and one more result.
+#define SF_UPDATE_WITH_SLOT_HANDLER(name, rule)                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, UpdateWithSlot<rule>,        \
+                                UpdateBinding()                    \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  \
+                                    .Ret<ffi::Buffer<ffi::F32>>()  \
+                                    .Ret<ffi::Buffer<ffi::F32>>()  \
+                                    .Attr<int64_t>("runs")         \
+                                    .Attr<int64_t>("rows_per_partition") \
                                     .Attr<float>("epsilon"));
 
 SF_UPDATE_WITH_SLOT_HANDLER(SfUpdateAdagrad, Rule::kAdagrad)
