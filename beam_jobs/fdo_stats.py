@@ -135,7 +135,7 @@ def run_fdo_job(
     start = time.perf_counter()
     result = pipeline.run()
     result.wait_until_finish()
-    counters = _counters(result)
+    counters = pipeline_counters(result, METRICS_NAMESPACE)
     _log.info(
         "FDO job over %d files took %.1f s: %s", len(files), time.perf_counter() - start, counters
     )
@@ -152,9 +152,9 @@ def run_fdo_job(
     )
 
 
-def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
-    """The job's counters, summed over steps (committed values where the runner has them)."""
-    query = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))
+def pipeline_counters(result: beam.runners.runner.PipelineResult, namespace: str) -> dict[str, int]:
+    """A finished job's counters in `namespace`, summed over steps (committed where known)."""
+    query = result.metrics().query(MetricsFilter().with_namespace(namespace))
     counters: dict[str, int] = {}
     for counter in query["counters"]:
         value = counter.committed if counter.committed is not None else counter.attempted

@@ -1,0 +1,139 @@
+"""One line (or Parquet row) -> a serialized `tf.train.Example`, or why it is bad.
+
+Lines are split on the delimiter: a tab splits plainly (TSV, Criteo), a comma
+through Python's `csv` module (quoted fields may hold commas; a record is
+one line). The fields are checked against the `ColumnSpec` (see
+`beam_jobs._columns` for what each kind accepts).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections.abc import Sequence
+
+from tensorflow.core.example import example_pb2
+
+from beam_jobs._columns import ColumnKind, ColumnSpec
+
+_HEX = re.compile(r"[0-9a-fA-F]+")
+# Python's int() and float() also take spaces, "_" separators and non-ASCII digits.
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_MAX_SHOWN_CHARS = 40
+
+
+class BadLine(ValueError):
+    """A line that cannot become a record; the message says why."""
+
+
+class LineParser:
+    """Turns the lines of one column spec into Examples.
+
+    Args:
+      spec: the columns.
+      delimiter: the field separator (`"\\t"` or `","`, or any one character).
+    """
+
+    def __init__(self, spec: ColumnSpec, delimiter: str):
+        if len(delimiter) != 1:
+            raise ValueError(f"The delimiter must be one character, got {delimiter!r}.")
+        self._spec = spec
+        self._delimiter = delimiter
+        self._kinds = [column.kind for column in spec.columns]
+        self._names = spec.names
+        self._keys = [spec.feature_key(column) for column in spec.columns]
+        self._label = spec.names.index(spec.label) if spec.label is not None else None
+
+    def fields(self, line: bytes) -> list[str]:
+        """The fields of a line (its line ending removed).
+
+        Raises:
+          BadLine: the line is not UTF-8, or its field count is wrong.
+        """
+        try:
+            text = line.decode().rstrip("\r\n")
+        except UnicodeDecodeError as error:
+            raise BadLine(f"not UTF-8: {error.reason} at byte {error.start}") from None
+        if self._delimiter == ",":
+            fields = next(csv.reader([text]), [])
+        else:
+            fields = text.split(self._delimiter)
+        if len(fields) != len(self._kinds):
+            raise BadLine(f"{len(fields)} columns, expected {len(self._kinds)}")
+        return fields
+
+    def values(self, fields: Sequence[str]) -> list:
+        """Per column its value (int, float or str), None for an empty field.
+
+        Raises:
+          BadLine: a field that its column's kind rejects, or an empty label.
+        """
+        values = [
+            _value(field, kind, name) if field else None
+            for field, kind, name in zip(fields, self._kinds, self._names, strict=True)
+        ]
+        self.check_label(values)
+        return values
+
+    def check_row(self, values: Sequence) -> None:
+        """Checks typed values (a Parquet row): finite floats, a label.
+
+        Raises:
+          BadLine: a NaN or infinite float, or an empty label.
+        """
+        for value, name in zip(values, self._names, strict=True):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise BadLine(f"column {name!r}: {value} is not finite")
+        self.check_label(values)
+
+    def check_label(self, values: Sequence) -> None:
+        """Raises BadLine when the label is missing."""
+        if self._label is None:
+            return
+        label = values[self._label]
+        if label is None:
+            raise BadLine(f"empty label column {self._spec.label!r}")
+
+    def example(self, values: Sequence) -> bytes:
+        """The serialized Example of a line's values (None values left out)."""
+        example = example_pb2.Example()
+        features = example.features.feature
+        for value, kind, key in zip(values, self._kinds, self._keys, strict=True):
+            if value is None:
+                continue
+            if kind is ColumnKind.INT:
+                features[key].int64_list.value.append(int(value))  # Parquet booleans
+            elif kind is ColumnKind.FLOAT:
+                features[key].float_list.value.append(value)
+            else:
+                features[key].bytes_list.value.append(
+                    value if isinstance(value, bytes) else value.encode()
+                )
+        return example.SerializeToString()
+
+
+def _value(field: str, kind: ColumnKind, name: str):
+    if kind is ColumnKind.INT:
+        if not _INT.fullmatch(field):
+            raise BadLine(f"column {name!r}: {_shown(field)} is not an integer")
+        value = int(field)
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise BadLine(f"column {name!r}: {_shown(field)} is outside int64")
+        return value
+    if kind is ColumnKind.FLOAT:
+        value = float(field) if _FLOAT.fullmatch(field) else math.nan
+        if not math.isfinite(value):  # 1e999 overflows
+            raise BadLine(f"column {name!r}: {_shown(field)} is not a finite number")
+        return value
+    if kind is ColumnKind.HEX and not _HEX.fullmatch(field):
+        raise BadLine(f"column {name!r}: {_shown(field)} is not hexadecimal")
+    return field
+
+
+def _shown(field: str) -> str:
+    if len(field) > _MAX_SHOWN_CHARS:
+        field = field[:_MAX_SHOWN_CHARS] + "..."
+    return repr(field)
