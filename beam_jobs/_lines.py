@@ -53,14 +53,7 @@ class LineParser:
         Raises:
           BadLine: the line is not UTF-8, or its field count is wrong.
         """
-        try:
-            text = line.decode().rstrip("\r\n")
-        except UnicodeDecodeError as error:
-            raise BadLine(f"not UTF-8: {error.reason} at byte {error.start}") from None
-        if self._delimiter == ",":
-            fields = next(csv.reader([text]), [])
-        else:
-            fields = text.split(self._delimiter)
+        fields = split_line(line, self._delimiter)
         if len(fields) != len(self._kinds):
             raise BadLine(f"{len(fields)} columns, expected {len(self._kinds)}")
         return fields
@@ -113,6 +106,21 @@ class LineParser:
                     value if isinstance(value, bytes) else value.encode()
                 )
         return example.SerializeToString()
+
+
+def split_line(line: bytes, delimiter: str) -> list[str]:
+    """The fields of a line (its line ending removed); a comma splits as CSV.
+
+    Raises:
+      BadLine: the line is not UTF-8.
+    """
+    try:
+        text = line.decode().rstrip("\r\n")
+    except UnicodeDecodeError as error:
+        raise BadLine(f"not UTF-8: {error.reason} at byte {error.start}") from None
+    if delimiter == ",":
+        return next(csv.reader([text]), [])
+    return text.split(delimiter)
 
 
 def _value(field: str, kind: ColumnKind, name: str):

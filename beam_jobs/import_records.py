@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
+import pipelines
 from beam_jobs._columns import ColumnSpec
 from beam_jobs._import_sources import (
     DEFAULT_BYTES_PER_RANGE,
@@ -54,7 +55,6 @@ from beam_jobs._import_sources import (
 from beam_jobs._lines import BadLine, LineParser
 from beam_jobs._transforms import WriteDeadLetters, _Redistribute
 from beam_jobs.fdo_stats import DEAD_LETTERS_NAME, make_pipeline, pipeline_counters
-from pipelines._records import RecordFileWriter, RecordFormat
 
 _log = logging.getLogger(__name__)
 
@@ -83,12 +83,12 @@ class ImportConfig:
     delimiter: str = "\t"
     header: bool = False
     shards: int = 1
-    output_format: RecordFormat = RecordFormat.ARRAY_RECORD
+    output_format: pipelines.RecordFormat = pipelines.RecordFormat.ARRAY_RECORD
     bytes_per_range: int = DEFAULT_BYTES_PER_RANGE
 
     def __post_init__(self):
         object.__setattr__(self, "input_format", InputFormat(self.input_format))
-        object.__setattr__(self, "output_format", RecordFormat(self.output_format))
+        object.__setattr__(self, "output_format", pipelines.RecordFormat(self.output_format))
         for name in ("shards", "bytes_per_range"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -184,7 +184,7 @@ class _WriteShardFn(beam.DoFn):
         columns = len(config.spec.columns)
         distinct = [set() for _ in range(columns)]
         bad = 0
-        with RecordFileWriter(self._paths[shard]) as writer:
+        with pipelines.RecordFileWriter(self._paths[shard]) as writer:
             for piece in pieces:
                 rows = read_rows(piece.input_range, config.input_format, config.header)
                 selected = itertools.islice(rows, piece.skip, piece.skip + piece.take)
@@ -378,7 +378,8 @@ def _check_out_dir(out_dir: str, files: list[str]) -> None:
     foreign = sorted(
         name
         for name in os.listdir(out_dir)
-        if name.endswith(tuple(fmt.extension for fmt in RecordFormat)) and name not in expected
+        if name.endswith(tuple(fmt.extension for fmt in pipelines.RecordFormat))
+        and name not in expected
     )
     if foreign:
         raise ValueError(

@@ -29,7 +29,7 @@ from pipelines._preprocess_stage import (
     InputRecordError,
     PreprocessConfig,
 )
-from pipelines._records import list_record_files, read_records
+from pipelines._records import RecordFileWriter, RecordFormat, list_record_files, read_records
 from pipelines._stats import BatchReport, PipelineStats
 from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synthetic_dataset
 from pipelines._tfdata import make_tfdata_iterator
@@ -52,6 +52,8 @@ __all__ = [
     "ParsedBatch",
     "PipelineStats",
     "PreprocessConfig",
+    "RecordFileWriter",
+    "RecordFormat",
     "SyntheticDataset",
     "SyntheticFeature",
     "WorkerPriority",

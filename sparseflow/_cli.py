@@ -6,6 +6,9 @@
   sparseflow stats [--config C] [--batches N]
   sparseflow fdo --config C [--data FILES] [--out DIR] [--runner R] [--plot out.png]
                  [-- Beam options]
+  sparseflow import --input FILES --out DIR [--format criteo|csv|tsv|parquet]
+                    [--header] [--columns SPEC] [--label NAME] [--shards N]
+                    [--output-format arrayrecord|tfrecord] [--runner R]
   sparseflow train --config C [--data GLOB] [--eval-data GLOB] [--steps N]
                    [--pipelined | --no-pipelined] [--fdo DIR] [--checkpoint-dir D]
                    [--resume] [--metrics-dir D] [--num-processes P]
@@ -31,7 +34,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pipelines
-from sparseflow import _demo, _fdo_command, _launch, _stats_report, _train_command
+from sparseflow import (
+    _demo,
+    _fdo_command,
+    _import_command,
+    _launch,
+    _stats_report,
+    _train_command,
+)
 from sparseflow._arguments import non_negative_int, positive_int, subcommand
 from sparseflow._config import RunConfig, load_config
 from sparseflow._shipped_configs import shipped_config
@@ -133,6 +143,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     _fdo_command.add_arguments(fdo)
     fdo.set_defaults(run=_fdo_command.run)
+
+    import_ = subcommand(
+        commands,
+        "import",
+        "turn CSV/TSV or Parquet files into sharded records of tf.train.Examples with Apache Beam",
+        "sparseflow import --format criteo --input day_0.tsv --out data/criteo --shards 64",
+    )
+    _import_command.add_arguments(import_)
+    # The import needs no run config; the default keeps `main` unchanged.
+    import_.set_defaults(run=_import_command.run, config=DEFAULT_CONFIG)
 
     train = subcommand(
         commands,

@@ -5,10 +5,7 @@
                  [--direct_num_workers N] [--direct_running_mode MODE]
                  [--plot out.png] [--headroom H] [-- other Beam options]
 
-`--runner dask` runs the job on Dask (`beam_jobs.dask_runner`, needs
-`pip install 'sparseflow[dask]'`): on the cluster whose scheduler is at
-`--dask-address`, or on a local cluster of `--dask-workers` processes
-(127.0.0.1 only) started for the job and shut down after it. The workers open
+`--runner dask` runs the job on Dask (see `sparseflow._runner_options`). The workers open
 the record files by path: on a cluster, `--data` must name files on a mount
 every worker sees under the same path, or fsspec URLs (`gs://...`) every
 worker reaches. Without `--runner` the job runs in process.
@@ -20,20 +17,14 @@ Beam pipeline options other than the ones above go after `--`, e.g.
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import beam_jobs
 import embedding
-from sparseflow._arguments import positive_int
 from sparseflow._config import RunConfig
+from sparseflow._runner_options import add_runner_arguments, dask_address, pipeline_args
 
 _DEFAULT_FORMAT_DIR = "arrayrecord"
-_RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
-DASK = "dask"
-_DASK_RUNNER = "beam_jobs.dask_runner.DaskRunner"
-_DEFAULT_DASK_WORKERS = 2
 
 
 def _headroom(text: str) -> float:
@@ -60,28 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", help="output directory of the stats (default: the config's dataset.dir/fdo)"
     )
-    parser.add_argument(
-        "--runner",
-        help=f"Beam runner: {DASK!r} (Dask), or a Beam runner's name, e.g. FlinkRunner "
-        "(default: Beam's FnApiRunner, in process)",
-    )
-    parser.add_argument(
-        "--dask-address",
-        help="--runner dask: the scheduler of a running cluster, e.g. tcp://HOST:8786 "
-        "(default: a local cluster for the job)",
-    )
-    parser.add_argument(
-        "--dask-workers",
-        type=positive_int,
-        help=f"--runner dask: worker processes of the local cluster "
-        f"(default: {_DEFAULT_DASK_WORKERS})",
-    )
-    parser.add_argument(
-        "--direct_num_workers", type=positive_int, help="in-process runner: parallel workers"
-    )
-    parser.add_argument(
-        "--direct_running_mode", choices=_RUNNING_MODES, help="in-process runner: how workers run"
-    )
     parser.add_argument("--plot", type=Path, help="also save a figure of the ids per partition")
     parser.add_argument(
         "--headroom",
@@ -89,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.1,
         help="factor over the observed maxima for the limits shown (default: 1.1)",
     )
-    parser.add_argument("beam_options", nargs="*", help="further Beam pipeline options, after `--`")
+    add_runner_arguments(parser)
 
 
 def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
@@ -109,40 +78,6 @@ def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
     )
 
 
-def _pipeline_args(args: argparse.Namespace, dask_address: str | None) -> list[str]:
-    if dask_address is not None:
-        named = [f"--runner={_DASK_RUNNER}", f"--dask_client_address={dask_address}"]
-    else:
-        named = [
-            f"--{name}={getattr(args, name)}"
-            for name in ("runner", "direct_num_workers", "direct_running_mode")
-            if getattr(args, name) is not None
-        ]
-    return named + list(args.beam_options)
-
-
-@contextlib.contextmanager
-def _dask_address(args: argparse.Namespace) -> Iterator[str | None]:
-    """The scheduler to run on with `--runner dask` (a local one lives as long as the job)."""
-    if args.runner != DASK:
-        if args.dask_address is not None or args.dask_workers is not None:
-            raise ValueError("--dask-address and --dask-workers need --runner dask.")
-        yield None
-        return
-    if args.dask_address is not None and args.dask_workers is not None:
-        raise ValueError(
-            "--dask-workers sizes a local cluster; a cluster at --dask-address has its own workers."
-        )
-    try:
-        from beam_jobs import dask_cluster  # the `dask` extra: only this runner needs it
-    except ModuleNotFoundError as e:
-        raise ValueError(f"--runner dask needs {e.name}: pip install 'sparseflow[dask]'.") from e
-    with dask_cluster.dask_cluster(
-        address=args.dask_address, workers=args.dask_workers or _DEFAULT_DASK_WORKERS
-    ) as address:
-        yield address
-
-
 def configured_limits(config: RunConfig) -> dict[str, int]:
     """Per stacked table, the `max_ids_per_partition` the config sets (what FDO replaces)."""
     prepared = embedding.prepare_feature_specs_for_training(
@@ -158,9 +93,8 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
     """Runs the job, prints where the stats went and the limits they call for."""
     data = args.data or [str(config.dataset.dir / _DEFAULT_FORMAT_DIR)]
     out = args.out or str(config.dataset.dir / "fdo")
-    with _dask_address(args) as dask_address:
-        pipeline_args = _pipeline_args(args, dask_address)
-        result = beam_jobs.run_fdo_job(job_config(config), data, out, pipeline_args)
+    with dask_address(args) as address:
+        result = beam_jobs.run_fdo_job(job_config(config), data, out, pipeline_args(args, address))
     counters = result.counters
     print(
         f"{result.stats.batches} global batches of {config.global_batch_size} from "
