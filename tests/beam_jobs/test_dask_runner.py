@@ -6,6 +6,7 @@ import socket
 
 import apache_beam as beam
 import fdo_cases
+import import_cases
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
@@ -67,6 +68,28 @@ def test_dask_workers_fetch_files_named_by_urls(scheduler, tmp_path):
     assert on_dask.counters == in_process.counters
     named = sorted((d["file"], d["record_index"]) for d in _letters(on_dask.dead_letters_path))
     assert named == sorted((f"file://{path}", index) for path, index, _ in bad)
+
+
+def test_dask_imports_what_the_in_process_runner_imports(scheduler, tmp_path):
+    path = str(tmp_path / "day_0.tsv")
+    import_cases.write_criteo(path)
+    config = beam_jobs.ImportConfig(spec=beam_jobs.criteo_spec(), shards=3, bytes_per_range=120)
+    in_process = beam_jobs.run_import_job([path], config, str(tmp_path / "in_process"))
+    on_dask = beam_jobs.run_import_job(
+        [path], config, str(tmp_path / "dask"), _dask_args(scheduler)
+    )
+
+    records = import_cases.read_back(on_dask.files)
+    assert records == import_cases.read_back(in_process.files) == import_cases.expected_records()
+    letters = import_cases.letters(on_dask.dead_letters_path)
+    assert letters == import_cases.letters(in_process.dead_letters_path)
+    assert letters == import_cases.expected_dead_letters(path)
+    # The summaries differ only in the output directory.
+    dask_summary, in_process_summary = (
+        {**summary, "files": [f["records"] for f in summary["files"]]}
+        for summary in (on_dask.summary, in_process.summary)
+    )
+    assert dask_summary == in_process_summary
 
 
 class _EveryTagFn(beam.DoFn):
