@@ -39,7 +39,7 @@ from absl import flags
 import embedding
 from parallel import allreduce
 from pipelines._array_record import ArrayRecordReader
-from pipelines._batching import BatchingConfig, BatchPlan, FileOrder
+from pipelines._batching import BatchingConfig, BatchPlan
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import packed_shape
 from pipelines._preprocess_stage import (
@@ -51,7 +51,7 @@ from pipelines._preprocess_stage import (
 )
 from pipelines._records import PathOrPaths, list_record_files
 from pipelines._shared_buffers import SharedBatchBuffers
-from pipelines._shuffle import grain_epoch_order
+from pipelines._shuffle import batch_plan
 from pipelines._stats import PipelineStats
 
 _log = logging.getLogger(__name__)
@@ -110,20 +110,6 @@ class GrainOptions:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
         priority = checked_enum(WorkerPriority, self.worker_priority, "worker_priority")
         object.__setattr__(self, "worker_priority", priority)
-
-
-class GrainShuffle:
-    """Grain's global shuffle as an `EpochOrder`: a new permutation per epoch.
-
-    Position `i` of epoch `e` is record `MapDataset.range(R).shuffle(seed)[e * R + i]`.
-    """
-
-    def __init__(self, num_records: int, seed: int):
-        self._num_records = num_records
-        self._seed = seed
-
-    def __call__(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        return grain_epoch_order(self._num_records, self._seed, epoch, positions)
 
 
 def _init_worker(worker_index: int, worker_count: int, *, priority: WorkerPriority) -> None:
@@ -291,7 +277,7 @@ def grain_dataset(
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     reader = ArrayRecordReader(list_record_files(data))
-    plan = _plan(reader, batching)
+    plan = batch_plan(reader.files.num_records, batching)
     stage = PreprocessStage(preprocess)
     buffers = _shared_buffers(preprocess, options)
     dataset = (
@@ -320,16 +306,6 @@ def grain_dataset(
     return dataset, plan, stage, buffers
 
 
-def _plan(reader: ArrayRecordReader, batching: BatchingConfig) -> BatchPlan:
-    num_records = reader.files.num_records
-    order = (
-        FileOrder()
-        if batching.shuffle_seed is None
-        else GrainShuffle(num_records, batching.shuffle_seed)
-    )
-    return BatchPlan(config=batching, num_records=num_records, order=order)
-
-
 def batch_record_indices(
     data: PathOrPaths, batching: BatchingConfig, batch_number: int
 ) -> np.ndarray:
@@ -338,7 +314,8 @@ def batch_record_indices(
     A record's index counts the records of `data`'s files in order (the
     planned records: a bad one skipped is replaced in its batch by another).
     """
-    return _plan(ArrayRecordReader(list_record_files(data)), batching).record_indices(batch_number)
+    num_records = ArrayRecordReader(list_record_files(data)).files.num_records
+    return batch_plan(num_records, batching).record_indices(batch_number)
 
 
 def _shared_buffers(

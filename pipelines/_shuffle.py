@@ -19,6 +19,8 @@ import math
 import numba
 import numpy as np
 
+from pipelines._batching import BatchingConfig, BatchPlan, FileOrder
+
 _ROUNDS = 4
 _MIN_BLOCK_BITS = 16
 _MASK32 = 0xFFFFFFFF
@@ -122,3 +124,24 @@ def grain_epoch_order(num_records: int, seed: int, epoch: int, positions: np.nda
     position `p`.
     """
     return shuffled_indices(positions, num_records - 1, (seed + epoch) % 2**32)
+
+
+class GrainShuffle:
+    """Grain's global shuffle as an `EpochOrder`: a new permutation per epoch.
+
+    Position `i` of epoch `e` is record `MapDataset.range(R).shuffle(seed)[e * R + i]`.
+    """
+
+    def __init__(self, num_records: int, seed: int):
+        self._num_records = num_records
+        self._seed = seed
+
+    def __call__(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        return grain_epoch_order(self._num_records, self._seed, epoch, positions)
+
+
+def batch_plan(num_records: int, batching: BatchingConfig) -> BatchPlan:
+    """The plan of `batching`: file order, or Grain's shuffle of `batching.shuffle_seed`."""
+    seed = batching.shuffle_seed
+    order = FileOrder() if seed is None else GrainShuffle(num_records, seed)
+    return BatchPlan(config=batching, num_records=num_records, order=order)

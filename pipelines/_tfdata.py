@@ -1,7 +1,7 @@
 """The tf.data input path: TFRecord files -> preprocessed host batches.
 
-For users whose data is TFRecord: the files are read in file order with
-tf.data,
+For users whose data is TFRecord. Unshuffled (`shuffle_seed=None`), the
+files are read in file order with tf.data,
 
     TFRecordDataset(files)
       .take(batches_per_epoch * global_batch)   # the epoch's full global batches
@@ -9,13 +9,24 @@ tf.data,
       .shard(P, p)                              # host p's chunks
       .repeat(epochs)
 
-and every chunk is parsed with `tf.io.parse_example` (ragged features,
-`parse_examples`) and preprocessed by the same `PreprocessStage` as the Grain
-path, so both paths give identical batches for the same (unshuffled) order,
-bad-record fill-ins included. TFRecord files are sequential: every host reads
-the whole stream and keeps its chunks, and a fill-in read (rare) rescans the
-files up to the records it needs. The state is the next batch number; a
-restore skips to it by reading past the earlier chunks.
+every host reading the whole stream and keeping its chunks; a fill-in read
+(rare) rescans the files up to the records it needs.
+
+Shuffled, the order is the Grain path's (Grain's global shuffle of the seed,
+a new permutation per epoch, `_shuffle.py`): the files are indexed once
+(`_tfrecord_index.py`, the offset of every record), and
+
+    Dataset.range(num_batches)
+      .map(batch b -> this host's rows of global batch b, read by offset)
+
+so training on ordered logs (a day of clicks in time order) sees them mixed
+as on the Grain path, with the same records in the same batches.
+
+Every chunk is parsed with `tf.io.parse_example` (ragged features,
+`parse_examples`) and preprocessed by the same `PreprocessStage` as the
+Grain path, so both paths give identical batches for the same order and
+seed, bad-record fill-ins included. The state is the next batch number; a
+restore starts there (unshuffled, by reading past the earlier chunks).
 """
 
 from __future__ import annotations
@@ -41,18 +52,30 @@ from pipelines._records import (
     require_record_format,
     tf_error_reason,
 )
+from pipelines._shuffle import batch_plan
 from pipelines._stats import PipelineStats
+from pipelines._tfrecord_index import IndexedTFRecordFiles
 
 _COUNT_BATCH = 4096
 _PREFETCH = 2
 
 
 class TFRecordReader:
-    """Reads TFRecord records by dataset index (by scanning: for fill-ins only)."""
+    """Reads TFRecord records by dataset index.
 
-    def __init__(self, paths: list[str]):
+    Args:
+      paths: the files, in dataset order.
+      indexed: index the record offsets (`IndexedTFRecordFiles`) for reads
+        by offset; else a read scans the files (for rare fill-ins).
+    """
+
+    def __init__(self, paths: list[str], *, indexed: bool = False):
         require_record_format(paths, RecordFormat.TFRECORD, "tf.data", "make_grain_iterator")
-        counts = tuple(_count_records(path) for path in paths)
+        self._index = IndexedTFRecordFiles(paths) if indexed else None
+        if self._index is not None:
+            counts = self._index.counts
+        else:
+            counts = tuple(_count_records(path) for path in paths)
         self._files = RecordFiles(tuple(paths), counts)
 
     @property
@@ -60,6 +83,8 @@ class TFRecordReader:
         return self._files
 
     def read(self, record_indices: Sequence[int]) -> list[bytes]:
+        if self._index is not None:
+            return self._index.read(record_indices)
         records = []
         for start, stop in _runs([int(i) for i in record_indices]):
             dataset = tf.data.TFRecordDataset(list(self._files.paths)).skip(start)
@@ -109,6 +134,13 @@ class _TFDataSource:
 
     def _stream(self, start: int):
         config = self._plan.config
+        if config.shuffle_seed is not None:
+            dataset = (
+                tf.data.Dataset.range(start, self._plan.num_batches)
+                .map(self._host_rows)
+                .prefetch(_PREFETCH)
+            )
+            return iter(dataset)
         dataset = (
             tf.data.TFRecordDataset(list(self._reader.files.paths))
             .take(self._plan.batches_per_epoch * config.global_batch_size)
@@ -119,6 +151,16 @@ class _TFDataSource:
             .prefetch(_PREFETCH)
         )
         return iter(dataset)
+
+    def _host_rows(self, batch_number: tf.Tensor) -> tf.Tensor:
+        """`string[host_batch]` this host's records of a global batch (in its shuffled order)."""
+        rows = tf.py_function(
+            lambda b: tf.constant(self._reader.read(self._plan.record_indices(int(b))), tf.string),
+            [batch_number],
+            tf.string,
+        )
+        rows.set_shape([self._plan.config.host_batch_size])
+        return rows
 
     def __next__(self) -> HostBatch:
         batch_number = self._next_batch
@@ -175,12 +217,14 @@ def make_tfdata_iterator(
     """This host's preprocessed batches of a TFRecord dataset, through tf.data.
 
     The batches equal those of `make_grain_iterator` over the same records
-    in ArrayRecord files, unshuffled.
+    in ArrayRecord files, with the same `shuffle_seed` (or none).
 
     Args:
       data: TFRecord files, directories or glob patterns.
-      batching: global batch and hosts; `shuffle_seed` must be None (this
-        path reads in file order).
+      batching: global batch, hosts and shuffle: with a `shuffle_seed` the
+        records are read in the Grain path's shuffled order (the files are
+        indexed first: one pass over their length fields), else in file
+        order.
       preprocess: parsing and preprocessing, as for the Grain path.
       log_interval_s: seconds between logged stats summaries (None: never).
 
@@ -188,18 +232,13 @@ def make_tfdata_iterator(
       A `HostIterator` of `num_batches` `HostBatch`es. Close it (or use `with`).
 
     Raises:
-      ValueError: inconsistent settings, a shuffle seed, unreadable files, or
-        a dataset smaller than one global batch.
+      ValueError: inconsistent settings, unreadable files, or a dataset
+        smaller than one global batch.
     """
-    if batching.shuffle_seed is not None:
-        raise ValueError(
-            f"The tf.data path reads records in file order; got shuffle_seed="
-            f"{batching.shuffle_seed}. Set it to None, or read ArrayRecord files with "
-            "make_grain_iterator, which shuffles globally."
-        )
     check_batch_sizes(batching, preprocess)
-    reader = TFRecordReader(list_record_files(data))
-    plan = BatchPlan(config=batching, num_records=reader.files.num_records)
+    shuffled = batching.shuffle_seed is not None
+    reader = TFRecordReader(list_record_files(data), indexed=shuffled)
+    plan = batch_plan(reader.files.num_records, batching)
     stage = PreprocessStage(preprocess)
     pipeline = {"path": "tfdata", "num_records": plan.num_records, **dataclasses.asdict(batching)}
     return HostIterator(

@@ -1,5 +1,8 @@
 """Tests of the tf.data input path (pipelines/_tfdata.py) against the Grain path."""
 
+import dataclasses
+
+import grain
 import pipeline_cases as cases
 import pytest
 
@@ -83,14 +86,62 @@ def test_a_state_of_another_pipeline_is_refused(dataset):
             it.set_state(b"{}")
 
 
-def test_the_tfdata_path_refuses_a_shuffle_seed_and_array_record_files(dataset):
+@pytest.mark.parametrize("process_index, process_count", [(0, 1), (1, 2)])
+def test_a_seed_shuffles_tfdata_as_grain_shuffles(dataset, process_index, process_count):
+    preprocess = cases.preprocess_config(BATCH, local_devices=2, global_devices=2 * process_count)
+    batching = BatchingConfig(
+        global_batch_size=BATCH,
+        process_index=process_index,
+        process_count=process_count,
+        num_epochs=2,
+        shuffle_seed=7,
+    )
+    from_tfdata, stats = _batches(make_tfdata_iterator, dataset["tfrecord"], batching, preprocess)
+    from_grain, _ = _batches(make_grain_iterator, dataset["arrayrecord"], batching, preprocess)
+    cases.assert_batches_equal(from_tfdata, from_grain)
+    assert stats["batches"] == len(from_tfdata) == 2 * (90 // BATCH)
+    # The batches hold Grain's shuffled records (Grain's own shuffle is the
+    # reference), not those of the file order.
+    if process_count == 1:
+        records = list(pipelines.read_records(dataset["tfrecord"]))
+        order = grain.MapDataset.range(len(records)).shuffle(seed=7)
+        per_epoch = len(records) // BATCH
+        for b, batch in enumerate(from_tfdata):
+            epoch, first = divmod(b, per_epoch)
+            rows = [order[epoch * len(records) + first * BATCH + i] for i in range(BATCH)]
+            expected, _ = cases.reference_batch([records[r] for r in rows], preprocess, b)
+            cases.assert_batches_equal([batch], [expected])
+    ordered = dataclasses.replace(batching, shuffle_seed=None)
+    in_file_order, _ = _batches(make_tfdata_iterator, dataset["tfrecord"], ordered, preprocess)
+    with pytest.raises(AssertionError):
+        cases.assert_batches_equal(from_tfdata, in_file_order)
+
+
+def test_a_restored_shuffled_tfdata_iterator_continues_with_the_next_batch(dataset):
     preprocess = cases.preprocess_config(BATCH)
-    with pytest.raises(ValueError, match="reads records in file order"):
+    batching = BatchingConfig(global_batch_size=BATCH, num_epochs=2, shuffle_seed=3)
+    uninterrupted, _ = _batches(make_tfdata_iterator, dataset["tfrecord"], batching, preprocess)
+    with make_tfdata_iterator(dataset["tfrecord"], batching=batching, preprocess=preprocess) as it:
+        for _ in range(6):
+            next(it)
+        state = it.get_state()
+    with make_tfdata_iterator(dataset["tfrecord"], batching=batching, preprocess=preprocess) as it:
+        it.set_state(state)
+        cases.assert_batches_equal([cases.flat(b) for b in it], uninterrupted[6:])
+
+
+def test_a_truncated_tfrecord_file_is_named_when_indexed(tmp_path, dataset):
+    path = tmp_path / "cut.tfrecord"
+    path.write_bytes(open(dataset["tfrecord"][0], "rb").read()[:-5])
+    batching = BatchingConfig(global_batch_size=BATCH, shuffle_seed=1)
+    with pytest.raises(ValueError, match=f"{path}: corrupt or truncated TFRecord file"):
         make_tfdata_iterator(
-            dataset["tfrecord"],
-            batching=BatchingConfig(global_batch_size=BATCH, shuffle_seed=1),
-            preprocess=preprocess,
+            str(path), batching=batching, preprocess=cases.preprocess_config(BATCH)
         )
+
+
+def test_the_tfdata_path_refuses_array_record_files(dataset):
+    preprocess = cases.preprocess_config(BATCH)
     with pytest.raises(ValueError, match="make_grain_iterator"):
         make_tfdata_iterator(
             dataset["arrayrecord"],
