@@ -105,7 +105,9 @@ class LineParser:
                 features[key].bytes_list.value.append(
                     value if isinstance(value, bytes) else value.encode()
                 )
-        return example.SerializeToString()
+        # Map entries sorted by key: otherwise their order follows a hash seed
+        # of the process, and runs (or workers) would write different bytes.
+        return example.SerializeToString(deterministic=True)
 
 
 def split_line(line: bytes, delimiter: str) -> list[str]:
