@@ -9,19 +9,20 @@ one line). The fields are checked against the `ColumnSpec` (see
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import re
 from collections.abc import Sequence
 
-from tensorflow.core.example import example_pb2
-
 from beam_jobs._columns import ColumnKind, ColumnSpec
+from beam_jobs._example_encoder import ExampleEncoder
 
 _HEX = re.compile(r"[0-9a-fA-F]+")
 # Python's int() and float() also take spaces, "_" separators and non-ASCII digits.
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 _MAX_SHOWN_CHARS = 40
 
 
@@ -44,7 +45,12 @@ class LineParser:
         self._delimiter = delimiter
         self._kinds = [column.kind for column in spec.columns]
         self._names = spec.names
-        self._keys = [spec.feature_key(column) for column in spec.columns]
+        self._converters = [
+            functools.partial(_CONVERTERS[column.kind], name=column.name) for column in spec.columns
+        ]
+        self._encoder = ExampleEncoder(
+            [spec.feature_key(column) for column in spec.columns], self._kinds
+        )
         self._label = spec.names.index(spec.label) if spec.label is not None else None
 
     def fields(self, line: bytes) -> list[str]:
@@ -65,8 +71,8 @@ class LineParser:
           BadLine: a field that its column's kind rejects, or an empty label.
         """
         values = [
-            _value(field, kind, name) if field else None
-            for field, kind, name in zip(fields, self._kinds, self._names, strict=True)
+            convert(field) if field else None
+            for convert, field in zip(self._converters, fields, strict=True)
         ]
         self.check_label(values)
         return values
@@ -78,8 +84,8 @@ class LineParser:
           BadLine: a NaN or infinite float, or an empty label.
         """
         for value, name in zip(values, self._names, strict=True):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise BadLine(f"column {name!r}: {value} is not finite")
+            if isinstance(value, float):
+                _check_float(value, name, value)
         self.check_label(values)
 
     def check_label(self, values: Sequence) -> None:
@@ -92,22 +98,7 @@ class LineParser:
 
     def example(self, values: Sequence) -> bytes:
         """The serialized Example of a line's values (None values left out)."""
-        example = example_pb2.Example()
-        features = example.features.feature
-        for value, kind, key in zip(values, self._kinds, self._keys, strict=True):
-            if value is None:
-                continue
-            if kind is ColumnKind.INT:
-                features[key].int64_list.value.append(int(value))  # Parquet booleans
-            elif kind is ColumnKind.FLOAT:
-                features[key].float_list.value.append(value)
-            else:
-                features[key].bytes_list.value.append(
-                    value if isinstance(value, bytes) else value.encode()
-                )
-        # Map entries sorted by key: otherwise their order follows a hash seed
-        # of the process, and runs (or workers) would write different bytes.
-        return example.SerializeToString(deterministic=True)
+        return self._encoder.encode(values)
 
 
 def split_line(line: bytes, delimiter: str) -> list[str]:
@@ -125,22 +116,48 @@ def split_line(line: bytes, delimiter: str) -> list[str]:
     return text.split(delimiter)
 
 
-def _value(field: str, kind: ColumnKind, name: str):
-    if kind is ColumnKind.INT:
-        if not _INT.fullmatch(field):
-            raise BadLine(f"column {name!r}: {_shown(field)} is not an integer")
-        value = int(field)
-        if not _INT64_MIN <= value <= _INT64_MAX:
-            raise BadLine(f"column {name!r}: {_shown(field)} is outside int64")
-        return value
-    if kind is ColumnKind.FLOAT:
-        value = float(field) if _FLOAT.fullmatch(field) else math.nan
-        if not math.isfinite(value):  # 1e999 overflows
-            raise BadLine(f"column {name!r}: {_shown(field)} is not a finite number")
-        return value
-    if kind is ColumnKind.HEX and not _HEX.fullmatch(field):
+def _int(field: str, name: str) -> int:
+    # isdigit alone takes non-ASCII digits; the regex is the slow path for signs.
+    if not (field.isascii() and field.isdigit()) and not _INT.fullmatch(field):
+        raise BadLine(f"column {name!r}: {_shown(field)} is not an integer")
+    value = int(field)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise BadLine(f"column {name!r}: {_shown(field)} is outside int64")
+    return value
+
+
+def _float(field: str, name: str) -> float:
+    if not _FLOAT.fullmatch(field):
+        raise BadLine(f"column {name!r}: {_shown(field)} is not a number")
+    value = float(field)
+    _check_float(value, name, _shown(field))
+    return value
+
+
+def _check_float(value: float, name: str, shown) -> None:
+    """Float features are float32: a value past its range would be written as infinite."""
+    if not math.isfinite(value):
+        raise BadLine(f"column {name!r}: {shown} is not finite")
+    if abs(value) > _FLOAT32_MAX:
+        raise BadLine(f"column {name!r}: {shown} is outside float32")
+
+
+def _string(field: str, name: str) -> str:
+    return field
+
+
+def _hex(field: str, name: str) -> str:
+    if not _HEX.fullmatch(field):
         raise BadLine(f"column {name!r}: {_shown(field)} is not hexadecimal")
     return field
+
+
+_CONVERTERS = {
+    ColumnKind.INT: _int,
+    ColumnKind.FLOAT: _float,
+    ColumnKind.STRING: _string,
+    ColumnKind.HEX: _hex,
+}
 
 
 def _shown(field: str) -> str:
