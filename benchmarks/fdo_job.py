@@ -32,8 +32,9 @@ import argparse
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
+
+from _step_times import best_of
 
 import beam_jobs
 import embedding
@@ -94,16 +95,6 @@ def plain_loop(job: beam_jobs.FdoJobConfig, files: list[str]) -> embedding.FdoSt
     return combine.extract_output(accumulator)
 
 
-def _best_of(repeats: int, fn, *args):
-    """(result, the shortest of `repeats` wall times): others' load only adds time."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn(*args)
-        times.append(time.perf_counter() - start)
-    return result, min(times)
-
-
 def _same_stats(result: beam_jobs.FdoJobResult, loop_stats: embedding.FdoStats, runner: str):
     if json.loads(result.stats.to_json()) != json.loads(loop_stats.to_json()):
         raise AssertionError(
@@ -113,8 +104,8 @@ def _same_stats(result: beam_jobs.FdoJobResult, loop_stats: embedding.FdoStats, 
 
 def measure(job, files: list[str], examples: int, out_dir: str, repeats: int) -> dict:
     """The loop and the in-process runner at one size."""
-    loop_stats, loop_s = _best_of(repeats, plain_loop, job, files)
-    result, beam_s = _best_of(repeats, beam_jobs.run_fdo_job, job, files, out_dir)
+    loop_stats, loop_s = best_of(repeats, plain_loop, job, files)
+    result, beam_s = best_of(repeats, beam_jobs.run_fdo_job, job, files, out_dir)
     _same_stats(result, loop_stats, "in process")
     return {
         "examples": examples,
@@ -139,7 +130,7 @@ def measure_dask(
         beam_jobs.run_fdo_job(job, smallest, os.path.join(out_dir, f"warm-up-{workers}"), args)
         for run in runs:
             out = os.path.join(out_dir, f"dask-{workers}-{run['examples']}")
-            result, seconds = _best_of(
+            result, seconds = best_of(
                 repeats, beam_jobs.run_fdo_job, job, files[run["examples"]], out, args
             )
             _same_stats(result, run["loop_stats"], f"Dask, {workers} workers")

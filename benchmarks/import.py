@@ -28,10 +28,10 @@ import itertools
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from _step_times import best_of
 
 import beam_jobs
 import pipelines
@@ -99,15 +99,6 @@ def digest(paths: list[str]) -> str:
     return h.hexdigest()
 
 
-def _best_of(repeats: int, fn, *args):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn(*args)
-        times.append(time.perf_counter() - start)
-    return result, min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=lambda s: int(float(s)), default=1_000_000)
@@ -129,10 +120,10 @@ def main() -> None:
 
         loop_paths = config.shard_paths(os.path.join(out, "loop"))
         os.makedirs(os.path.dirname(loop_paths[0]))
-        records, loop_s = _best_of(args.repeats, plain_loop, source, loop_paths)
+        records, loop_s = best_of(args.repeats, plain_loop, source, loop_paths)
         expected = digest(loop_paths)
         run_job("warm-up")  # untimed: Beam's and TF's first-use costs
-        job, beam_s = _best_of(args.repeats, run_job, "in-process")
+        job, beam_s = best_of(args.repeats, run_job, "in-process")
         if job.summary["records"] != records or digest(job.files) != expected:
             raise AssertionError(
                 "The in-process import and the plain loop wrote different records."
@@ -141,7 +132,7 @@ def main() -> None:
         with dask_cluster(workers=workers) as address:
             dask_args = [f"--runner={_DASK_RUNNER}", f"--dask_client_address={address}"]
             run_job("dask-warm-up", dask_args)  # untimed: every worker imports TF once
-            on_dask, dask_s = _best_of(args.repeats, run_job, f"dask-{workers}", dask_args)
+            on_dask, dask_s = best_of(args.repeats, run_job, f"dask-{workers}", dask_args)
         if digest(on_dask.files) != expected:
             raise AssertionError("The import on Dask and the plain loop wrote different records.")
     result.update(
