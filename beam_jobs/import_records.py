@@ -50,6 +50,7 @@ from beam_jobs._import_sources import (
     InputRange,
     count_rows,
     input_ranges,
+    parquet_spec,
     read_rows,
 )
 from beam_jobs._lines import BadLine, LineParser
@@ -335,8 +336,9 @@ def run_import_job(
       The files and the summary.
 
     Raises:
-      ValueError: no inputs, an input that is not a file, or an `out_dir`
-        holding record files of another import.
+      ValueError: no inputs, only empty ones, a Parquet file whose columns
+        differ from `config.spec`, or an `out_dir` holding record files of
+        another import.
       FileNotFoundError: an input is missing.
     """
     inputs = [os.fspath(path) for path in inputs]
@@ -347,6 +349,14 @@ def run_import_job(
             raise FileNotFoundError(f"Input file not found: {path}")
     if all(os.path.getsize(path) == 0 for path in inputs):
         raise ValueError(f"The input files {inputs} are empty.")
+    if config.input_format is InputFormat.PARQUET:
+        for path in inputs:
+            columns = parquet_spec(path, config.spec.label).columns
+            if columns != config.spec.columns:
+                raise ValueError(
+                    f"{path}: its columns {[(c.name, c.kind.value) for c in columns]} differ "
+                    f"from the import's {[(c.name, c.kind.value) for c in config.spec.columns]}."
+                )
     files = config.shard_paths(out_dir)
     _check_out_dir(out_dir, files)
     pipeline = make_pipeline(pipeline_args)

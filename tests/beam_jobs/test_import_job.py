@@ -152,6 +152,19 @@ def test_parquet_rows_become_records(tmp_path):
     ]
 
 
+def test_parquet_files_of_other_columns_are_refused(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    first, second = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
+    pq.write_table(pa.table({"label": [1], "x": [2]}), first)
+    pq.write_table(pa.table({"label": [1], "x": ["2"]}), second)
+    config = beam_jobs.ImportConfig(
+        spec=beam_jobs.parquet_spec(first, label="label"), input_format="parquet"
+    )
+    with pytest.raises(ValueError, match=r"b.parquet: its columns .*'x', 'string'.* differ"):
+        beam_jobs.run_import_job([first, second], config, str(tmp_path / "out"))
+
+
 def test_an_out_dir_holding_other_records_is_refused(tmp_path, criteo_file):
     out = tmp_path / "out"
     out.mkdir()
