@@ -47,13 +47,14 @@ from beam_jobs._columns import ColumnSpec
 from beam_jobs._import_sources import (
     DEFAULT_BYTES_PER_RANGE,
     InputFormat,
-    InputRange,
     count_rows,
     input_ranges,
     parquet_spec,
     read_rows,
 )
+from beam_jobs._import_summary import SummaryFn, write_summary
 from beam_jobs._lines import BadLine, LineParser
+from beam_jobs._shard_plan import Piece, plan_shards
 from beam_jobs._transforms import WriteDeadLetters, _Redistribute
 from beam_jobs.fdo_stats import DEAD_LETTERS_NAME, make_pipeline, pipeline_counters
 
@@ -122,50 +123,6 @@ class ImportResult:
     summary: dict
 
 
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """Rows `[skip, skip + take)` of a range, the first of them on line `first_line`."""
-
-    input_range: InputRange
-    skip: int
-    take: int
-    first_line: int
-
-
-def plan_shards(
-    counts: list[tuple[tuple[int, int], int]],
-    ranges: list[InputRange],
-    shards: int,
-    header: bool,
-) -> list[tuple[int, list[_Piece]]]:
-    """Per shard, the pieces of ranges holding its rows (contiguous, sizes within 1).
-
-    Args:
-      counts: `(range key, rows)` of every range, in any order.
-      ranges: every range, in file order.
-    """
-    rows = dict(counts)
-    ends = list(itertools.accumulate(rows[r.key] for r in ranges))
-    total = ends[-1] if ends else 0
-    bounds = [s * total // shards for s in range(shards + 1)]
-    plans = []
-    for s in range(shards):
-        lo, hi = bounds[s], bounds[s + 1]
-        pieces = []
-        before_in_file = 0
-        for i, r in enumerate(ranges):
-            if r.index == 0:
-                before_in_file = 0
-            start = ends[i] - rows[r.key]
-            skip, stop = max(lo, start) - start, min(hi, ends[i]) - start
-            if skip < stop:
-                first_line = 1 + int(header) + before_in_file + skip
-                pieces.append(_Piece(r, skip, stop - skip, first_line))
-            before_in_file += rows[r.key]
-        plans.append((s, pieces))
-    return plans
-
-
 class _WriteShardFn(beam.DoFn):
     """A shard's plan -> its record file; a report of it; bad lines as dead letters."""
 
@@ -179,7 +136,7 @@ class _WriteShardFn(beam.DoFn):
     def setup(self):
         self._parser = LineParser(self._config.spec, self._config.delimiter)
 
-    def process(self, plan: tuple[int, list[_Piece]]):
+    def process(self, plan: tuple[int, list[Piece]]):
         shard, pieces = plan
         config = self._config
         columns = len(config.spec.columns)
@@ -221,57 +178,6 @@ class _WriteShardFn(beam.DoFn):
         return self._parser.values(self._parser.fields(row))
 
 
-class _SummaryFn(beam.CombineFn):
-    """Shard reports -> one: counts summed, files listed, distinct values merged."""
-
-    def create_accumulator(self):
-        return None
-
-    def add_input(self, accumulator, report):
-        if accumulator is None:
-            return report
-        for key in ("lines", "records", "dead_letters"):
-            accumulator[key] += report[key]
-        accumulator["files"] += report["files"]
-        for seen, more in zip(accumulator["distinct"], report["distinct"], strict=True):
-            seen |= more
-        return accumulator
-
-    def merge_accumulators(self, accumulators):
-        merged = None
-        for accumulator in accumulators:
-            if accumulator is not None:
-                merged = self.add_input(merged, accumulator)
-        return merged
-
-    def extract_output(self, accumulator):
-        return accumulator
-
-
-def _write_summary(report: dict, path: str, spec: ColumnSpec, inputs: list[str], fmt: str):
-    summary = {
-        "inputs": inputs,
-        "lines": report["lines"],
-        "records": report["records"],
-        "dead_letters": report["dead_letters"],
-        "output_format": fmt,
-        "files": sorted(report["files"], key=lambda f: f["path"]),
-        "columns": [
-            {
-                "name": column.name,
-                "kind": column.kind.value,
-                "key": spec.feature_key(column),
-                "distinct_values": len(seen),
-            }
-            for column, seen in zip(spec.columns, report["distinct"], strict=True)
-        ],
-    }
-    temp = f"{path}.tmp"
-    with open(temp, "w") as file:
-        json.dump(summary, file, indent=1)
-    os.replace(temp, path)
-
-
 class ImportRecords(beam.PTransform):
     """Input files -> shard files, dead letters and summary (written; see the module)."""
 
@@ -305,10 +211,10 @@ class ImportRecords(beam.PTransform):
         _ = written[_DEAD_LETTERS] | "WriteDeadLetters" >> WriteDeadLetters(dead_letters_path)
         return (
             written.reports
-            | "Summarize" >> beam.CombineGlobally(_SummaryFn()).without_defaults()
+            | "Summarize" >> beam.CombineGlobally(SummaryFn()).without_defaults()
             | "WriteSummary"
             >> beam.Map(
-                _write_summary,
+                write_summary,
                 os.path.join(self._out_dir, SUMMARY_NAME),
                 config.spec,
                 self._inputs,
