@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from embedding._buffers import BufferPool, aligned_empty
+from embedding._errors import SparseflowError
 from embedding._layout_kernel import pack_feature_keys, scan_sorted_entries
 from embedding._minibatch import add_minibatch_to_keys, count_buckets, split_mask
 
@@ -89,7 +90,7 @@ class StackLayout(NamedTuple):
     num_minibatches: int = 1
 
 
-class LimitBreachError(ValueError):
+class LimitBreachError(SparseflowError, ValueError):
     """A batch exceeds a table's limits or buffer and dropping is off."""
 
 

@@ -21,6 +21,7 @@ import beam_jobs
 import embedding
 from sparseflow import _demo_folder, _fdo_command, _stats_report, _train
 from sparseflow._config import RunConfig
+from sparseflow._errors import UsageError
 from sparseflow._train_command import summary
 
 RUN_DIR_NAME = "demo_run"
@@ -30,7 +31,7 @@ def run_dir(config: RunConfig) -> Path:
     """The demo's run folder: `demo_run` beside the dataset."""
     folder = config.dataset.dir.parent / RUN_DIR_NAME
     if folder == config.dataset.dir:
-        raise ValueError(
+        raise UsageError(
             f"dataset.dir {config.dataset.dir} is the demo's run folder, which every demo "
             "run empties; give the dataset another directory name."
         )
@@ -41,7 +42,7 @@ def claim_run_dir(config: RunConfig) -> Path:
     """The demo's run folder, emptied of an earlier demo run's outputs (or created).
 
     Raises:
-      ValueError: a folder of that name exists that the demo did not create.
+      UsageError: a folder of that name exists that the demo did not create.
     """
     return _demo_folder.claim(run_dir(config))
 

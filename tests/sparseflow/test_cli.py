@@ -188,13 +188,26 @@ def test_dataset_of_other_features_is_a_user_error(tmp_path, capsys):
     _assert_user_error(capsys, ["stats", "--config", str(config)], "made for other features")
 
 
-def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bug", [RuntimeError, ValueError, FileNotFoundError])
+def test_a_bug_is_an_internal_error_not_a_user_error(tmp_path, monkeypatch, capsys, bug):
     def broken(*args, **kwargs):
-        raise RuntimeError("bug")
+        raise bug("bug")
 
     monkeypatch.setattr(_stats_report, "dataset_exists", broken)
-    with pytest.raises(RuntimeError, match="bug"):
-        _cli.main(["stats", "--config", str(_config(tmp_path))])
+    assert _cli.main(["stats", "--config", str(_config(tmp_path))]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"internal error: {bug.__name__}: bug\n")
+    assert "rerun with --verbose" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bug", [RuntimeError, ValueError])
+def test_a_bug_raises_with_its_traceback_when_verbose(tmp_path, monkeypatch, bug):
+    def broken(*args, **kwargs):
+        raise bug("bug")
+
+    monkeypatch.setattr(_stats_report, "dataset_exists", broken)
+    with pytest.raises(bug, match="bug"):
+        _cli.main(["stats", "--verbose", "--config", str(_config(tmp_path))])
 
 
 @pytest.mark.parametrize("command", ["demo", "stats"])

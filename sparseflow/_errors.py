@@ -1,0 +1,9 @@
+"""Errors of a command-line request as a whole."""
+
+from __future__ import annotations
+
+from embedding import SparseflowError
+
+
+class UsageError(SparseflowError, ValueError):
+    """Options that do not go together, or a run folder in the way; the message says what to do."""
