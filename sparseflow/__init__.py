@@ -5,7 +5,6 @@ this package only wires them together for a run described by a YAML config.
 """
 
 # First: it sets the logging environment before the imports below load TensorFlow and Beam.
-from embedding import SparseflowError
 from sparseflow import _quiet_imports  # noqa: F401
 from sparseflow._config import (
     ConfigError,
@@ -15,7 +14,7 @@ from sparseflow._config import (
     RunConfig,
     load_config,
 )
-from sparseflow._errors import UsageError
+from sparseflow._errors import SparseflowError, UsageError
 from sparseflow._shipped_configs import shipped_config, shipped_config_names
 from sparseflow._version import __version__
 

@@ -1,4 +1,4 @@
-"""Errors of a command-line request as a whole."""
+"""The command line's own error type, beside the base of all user errors (`embedding`'s)."""
 
 from __future__ import annotations
 
@@ -7,3 +7,4 @@ from embedding import SparseflowError
 
 class UsageError(SparseflowError, ValueError):
     """Options that do not go together, or a run folder in the way; the message says what to do."""
+
