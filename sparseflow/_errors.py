@@ -7,4 +7,3 @@ from embedding import SparseflowError
 
 class UsageError(SparseflowError, ValueError):
     """Options that do not go together, or a run folder in the way; the message says what to do."""
-
