@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
 
 import beam_jobs
 import embedding
@@ -56,6 +55,10 @@ def read_scalars(metrics_dir: Path) -> Scalars:
 
 def draw_training(scalars: Scalars, path: str | os.PathLike) -> str:
     """Loss and AUC against the step: training as lines, the held-out AUC as a point."""
+    # Here, not at the top: every command imports this module (through the
+    # demo's), and only the demo draws; matplotlib takes a second to import.
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(10, 3.6), layout="constrained")
     loss_ax, auc_ax = figure.subplots(1, 2)
     loss_ax.plot(*scalars["train/loss"], marker=".")
