@@ -36,6 +36,7 @@ from embedding import SparseflowError
 from sparseflow import _demo, _fdo_command, _launch, _logging, _stats_report, _train_command
 from sparseflow._arguments import non_negative_int, positive_int, subcommand
 from sparseflow._config import RunConfig, load_config
+from sparseflow._errors import UsageError
 from sparseflow._shipped_configs import shipped_config
 from sparseflow._version import __version__
 
@@ -61,8 +62,19 @@ def load_cli_config(config: str | os.PathLike) -> RunConfig:
     return load_config(shipped_config(text), relative_to=Path.cwd())
 
 
+_RECORD_FORMATS = ("arrayrecord", "tfrecord")
+
+
 def _formats(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    """An argparse type: comma-separated record formats, each known and named once."""
+    formats = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(set(formats) - set(_RECORD_FORMATS))
+    if unknown or not formats or len(set(formats)) != len(formats):
+        raise argparse.ArgumentTypeError(
+            f"must name each of {', '.join(_RECORD_FORMATS)} at most once, and at least one; "
+            f"got {text!r}"
+        )
+    return formats
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument(
         "--formats",
         type=_formats,
-        default=("arrayrecord", "tfrecord"),
+        default=_RECORD_FORMATS,
         help="comma-separated record formats (default: arrayrecord,tfrecord)",
     )
     make.set_defaults(run=_make_data)
@@ -151,12 +163,18 @@ def _parser() -> argparse.ArgumentParser:
 def _make_data(args: argparse.Namespace, config: RunConfig) -> None:
     out = args.out or config.dataset.dir
     examples = args.examples or config.dataset.examples
+    shards = args.shards or config.dataset.shards
+    if shards > examples:
+        raise UsageError(
+            f"{shards} shards cannot each hold one of {examples} examples; lower --shards "
+            "(or dataset.shards) or raise --examples."
+        )
     files = pipelines.write_synthetic_dataset(
         config.synthetic,
         out,
         num_examples=examples,
         seed=config.seed if args.seed is None else args.seed,
-        num_shards=args.shards or config.dataset.shards,
+        num_shards=shards,
         formats=args.formats,
     )
     print(f"Wrote {examples:,} synthetic examples to {out}:")
