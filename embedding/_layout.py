@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from embedding._buffers import BufferPool, aligned_empty
+from embedding._errors import SparseflowError
 from embedding._layout_kernel import pack_feature_keys, scan_sorted_entries, stable_sort_by_bits
 from embedding._minibatch import BUCKET_BITS, add_minibatch_to_keys, count_buckets, split_mask
 
@@ -90,7 +91,7 @@ class StackLayout(NamedTuple):
     num_minibatches: int = 1
 
 
-class LimitBreachError(ValueError):
+class LimitBreachError(SparseflowError, ValueError):
     """A batch exceeds a table's limits or buffer and dropping is off."""
 
 
