@@ -4,10 +4,14 @@
 with the online preprocessing and writes an FDO stats file
 (`embedding.FdoStats`) whose limits `embedding.apply_fdo` puts into the specs.
 The transforms and CombineFns it is made of are public for other pipelines.
+`plot_fdo_stats` imports matplotlib when first used: the job's workers need
+none of it.
 
 `run_import_job` turns CSV/TSV or Parquet files into sharded record files of
 `tf.train.Example`s (docs/import.md).
 """
+
+import importlib
 
 from beam_jobs._batch_stats import BatchStats
 from beam_jobs._batches import SparseRows
@@ -16,6 +20,7 @@ from beam_jobs._columns import (
     Column,
     ColumnKind,
     ColumnSpec,
+    ColumnSpecError,
     criteo_spec,
     parse_columns,
     spec_from_names,
@@ -32,8 +37,7 @@ from beam_jobs._combiners import (
 )
 from beam_jobs._import_sources import InputFormat, first_line, parquet_spec
 from beam_jobs._job_config import FdoJobConfig
-from beam_jobs._lines import split_line
-from beam_jobs._plot import plot_fdo_stats
+from beam_jobs._lines import BadLine, split_line
 from beam_jobs._transforms import (
     METRICS_NAMESPACE,
     CombineFdoStats,
@@ -60,10 +64,12 @@ __all__ = [
     "METRICS_NAMESPACE",
     "PERCENTILES",
     "SUMMARY_NAME",
+    "BadLine",
     "BatchStats",
     "Column",
     "ColumnKind",
     "ColumnSpec",
+    "ColumnSpecError",
     "CombineFdoStats",
     "ComputeBatchStats",
     "ComputeFdoStats",
@@ -95,3 +101,11 @@ __all__ = [
     "spec_from_names",
     "split_line",
 ]
+
+_LAZY_EXPORTS = {"plot_fdo_stats": "beam_jobs._plot"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY_EXPORTS:
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,13 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+from embedding import SparseflowError
+
 LABEL_KEY = "label"
+
+
+class ColumnSpecError(SparseflowError, ValueError):
+    """Columns or import settings that cannot be used; the message says which."""
 
 
 class ColumnKind(str, enum.Enum):
@@ -39,7 +45,7 @@ class Column:
 
     def __post_init__(self):
         if not self.name:
-            raise ValueError("A column needs a name.")
+            raise ColumnSpecError("A column needs a name.")
         object.__setattr__(self, "kind", _kind(self.kind, self.name))
 
 
@@ -60,28 +66,32 @@ class ColumnSpec:
         columns = tuple(self.columns)
         object.__setattr__(self, "columns", columns)
         if not columns:
-            raise ValueError("The column spec has no columns.")
+            raise ColumnSpecError("The column spec has no columns.")
         names = [column.name for column in columns]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
-            raise ValueError(f"Columns {repeated} are named twice.")
+            raise ColumnSpecError(f"Columns {repeated} are named twice.")
         if self.label is None:
             if LABEL_KEY in names:
-                raise ValueError(
+                raise ColumnSpecError(
                     f"A column is named {LABEL_KEY!r} but is not the label; rename it or make "
                     "it the label."
                 )
             return
         if self.label not in names:
-            raise ValueError(f"The label column {self.label!r} is not among the columns {names}.")
+            raise ColumnSpecError(
+                f"The label column {self.label!r} is not among the columns {names}."
+            )
         if self.label != LABEL_KEY and LABEL_KEY in names:
-            raise ValueError(
+            raise ColumnSpecError(
                 f"Column {LABEL_KEY!r} would clash with the label {self.label!r}, written as "
                 f"{LABEL_KEY!r}."
             )
         kind = columns[names.index(self.label)].kind
         if kind not in (ColumnKind.INT, ColumnKind.FLOAT):
-            raise ValueError(f"The label column {self.label!r} must be int or float, not {kind}.")
+            raise ColumnSpecError(
+                f"The label column {self.label!r} must be int or float, not {kind}."
+            )
 
     @property
     def names(self) -> list[str]:
@@ -106,13 +116,13 @@ def parse_columns(text: str) -> list[Column]:
     """Columns from `name:kind,name:kind,...` (a bare `name` is a string column).
 
     Raises:
-      ValueError: an unknown kind or an empty name (the entry named).
+      ColumnSpecError: an unknown kind or an empty name (the entry named).
     """
     columns = []
     for entry in text.split(","):
         name, _, kind = entry.strip().partition(":")
         if not name.strip():
-            raise ValueError(f"Column entry {entry!r} of {text!r} has no name.")
+            raise ColumnSpecError(f"Column entry {entry!r} of {text!r} has no name.")
         columns.append(Column(name.strip(), kind.strip() or ColumnKind.STRING))
     return columns
 
@@ -123,12 +133,14 @@ def spec_from_names(
     """A spec for columns named by a header: kinds from `kinds` (by name), else string.
 
     Raises:
-      ValueError: `kinds` names a column the header does not have.
+      ColumnSpecError: `kinds` names a column the header does not have.
     """
     given = {column.name: column.kind for column in kinds}
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise ValueError(f"Columns {unknown} are given kinds but are not in the header {names}.")
+        raise ColumnSpecError(
+            f"Columns {unknown} are given kinds but are not in the header {names}."
+        )
     return ColumnSpec(
         tuple(Column(name, given.get(name, ColumnKind.STRING)) for name in names), label=label
     )
@@ -139,4 +151,4 @@ def _kind(kind, name: str) -> ColumnKind:
         return ColumnKind(kind)
     except ValueError:
         known = ", ".join(k.value for k in ColumnKind)
-        raise ValueError(f"Column {name!r}: unknown kind {kind!r} (known: {known}).") from None
+        raise ColumnSpecError(f"Column {name!r}: unknown kind {kind!r} (known: {known}).") from None

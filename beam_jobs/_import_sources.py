@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 
 from beam_jobs._columns import Column, ColumnKind, ColumnSpec
+from pipelines import DataError
 
 DEFAULT_BYTES_PER_RANGE = 64 * 2**20
 
@@ -112,11 +113,11 @@ def _parquet_file(path: str):
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError as e:
-        raise ValueError(f"Reading Parquet files needs pyarrow: pip install pyarrow ({e}).") from e
+        raise DataError(f"Reading Parquet files needs pyarrow: pip install pyarrow ({e}).") from e
     try:
         return pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
+        raise DataError(f"{path}: not a readable Parquet file: {e}") from e
 
 
 def _parquet_rows(input_range: InputRange) -> Iterator[list]:
@@ -132,7 +133,8 @@ def parquet_spec(path: str, label: str | None) -> ColumnSpec:
     binary ones string.
 
     Raises:
-      ValueError: a column of another type (named), or a bad label.
+      DataError: a column of another type (named).
+      ColumnSpecError: a bad label.
     """
     import pyarrow as pa
 
@@ -146,7 +148,7 @@ def parquet_spec(path: str, label: str | None) -> ColumnSpec:
         elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t):
             kind = ColumnKind.STRING
         else:
-            raise ValueError(
+            raise DataError(
                 f"{path}: column {field.name!r} has type {t}; the import reads integer, "
                 "floating, boolean, string and binary columns."
             )

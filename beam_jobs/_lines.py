@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from beam_jobs._columns import ColumnKind, ColumnSpec
+from beam_jobs._columns import ColumnKind, ColumnSpec, ColumnSpecError
 from beam_jobs._example_encoder import ExampleEncoder
 
 _HEX = re.compile(r"[0-9a-fA-F]+")
@@ -40,7 +40,7 @@ class LineParser:
 
     def __init__(self, spec: ColumnSpec, delimiter: str):
         if len(delimiter) != 1:
-            raise ValueError(f"The delimiter must be one character, got {delimiter!r}.")
+            raise ColumnSpecError(f"The delimiter must be one character, got {delimiter!r}.")
         self._spec = spec
         self._delimiter = delimiter
         self._kinds = [column.kind for column in spec.columns]

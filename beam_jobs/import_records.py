@@ -43,7 +43,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 import pipelines
-from beam_jobs._columns import ColumnSpec
+from beam_jobs._columns import ColumnSpec, ColumnSpecError
 from beam_jobs._import_sources import (
     DEFAULT_BYTES_PER_RANGE,
     InputFormat,
@@ -94,10 +94,12 @@ class ImportConfig:
         for name in ("shards", "bytes_per_range"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+                raise ColumnSpecError(f"{name} must be an integer >= 1, got {value!r}.")
         LineParser(self.spec, self.delimiter)  # checks the delimiter
         if self.header and self.input_format is InputFormat.PARQUET:
-            raise ValueError("Parquet files have no header line; their schema names the columns.")
+            raise ColumnSpecError(
+                "Parquet files have no header line; their schema names the columns."
+            )
 
     def shard_paths(self, out_dir: str) -> list[str]:
         """The output files, in record order."""
@@ -242,24 +244,23 @@ def run_import_job(
       The files and the summary.
 
     Raises:
-      ValueError: no inputs, only empty ones, a Parquet file whose columns
-        differ from `config.spec`, or an `out_dir` holding record files of
-        another import.
-      FileNotFoundError: an input is missing.
+      DataError: no inputs, a missing one, only empty ones, a Parquet file
+        whose columns differ from `config.spec`, or an `out_dir` holding
+        record files of another import.
     """
     inputs = [os.fspath(path) for path in inputs]
     if not inputs:
-        raise ValueError("No input files given.")
+        raise pipelines.DataError("No input files given.")
     for path in inputs:
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"Input file not found: {path}")
+            raise pipelines.DataError(f"Input file not found: {path}")
     if all(os.path.getsize(path) == 0 for path in inputs):
-        raise ValueError(f"The input files {inputs} are empty.")
+        raise pipelines.DataError(f"The input files {inputs} are empty.")
     if config.input_format is InputFormat.PARQUET:
         for path in inputs:
             columns = parquet_spec(path, config.spec.label).columns
             if columns != config.spec.columns:
-                raise ValueError(
+                raise pipelines.DataError(
                     f"{path}: its columns {[(c.name, c.kind.value) for c in columns]} differ "
                     f"from the import's {[(c.name, c.kind.value) for c in config.spec.columns]}."
                 )
@@ -298,7 +299,7 @@ def _check_out_dir(out_dir: str, files: list[str]) -> None:
         and name not in expected
     )
     if foreign:
-        raise ValueError(
+        raise pipelines.DataError(
             f"{out_dir} already holds other record files ({foreign[:3]}); remove them or "
             "choose another output directory."
         )

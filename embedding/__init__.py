@@ -5,6 +5,7 @@ This package imports none of sparseflow's other packages.
 
 from embedding import initializers
 from embedding._buffers import aligned_empty
+from embedding._errors import SparseflowError
 from embedding._fdo_client import (
     FdoClient,
     OnMismatch,
@@ -94,6 +95,7 @@ __all__ = [
     "SGDSlots",
     "SparseDenseMatmulInput",
     "SparseDenseMatmulInputStats",
+    "SparseflowError",
     "StackFdoStats",
     "StackLimits",
     "StackedTableSpec",

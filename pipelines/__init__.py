@@ -7,6 +7,7 @@ dense features and labels.
 
 from pipelines._batching import BatchingConfig
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
+from pipelines._errors import DataError
 from pipelines._grain import (
     GrainOptions,
     WorkerPriority,
@@ -39,6 +40,7 @@ __all__ = [
     "BadRecordPolicy",
     "BatchReport",
     "BatchingConfig",
+    "DataError",
     "DeviceBatch",
     "DeviceIterator",
     "FeatureLayout",

@@ -27,6 +27,7 @@ import numpy as np
 import embedding
 from parallel import allreduce
 from pipelines._batching import BatchingConfig, BatchPlan, RecordReader
+from pipelines._errors import DataError
 from pipelines._packing import PackedInput, pack
 from pipelines._parse import (
     BadRecordError,
@@ -49,7 +50,7 @@ class BadRecordPolicy(str, enum.Enum):
     """Raise `InputRecordError` naming the record, its file and the reason."""
 
 
-class InputRecordError(ValueError):
+class InputRecordError(DataError):
     """A bad record met with `on_bad_record="raise"`, or too few good records to fill a batch."""
 
 

@@ -35,8 +35,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import tensorflow as tf
-
 from pipelines._batching import BatchingConfig, BatchPlan, RecordFiles
 from pipelines._host_iterator import HostIterator
 from pipelines._preprocess_stage import (
@@ -54,6 +52,7 @@ from pipelines._records import (
 )
 from pipelines._shuffle import batch_plan
 from pipelines._stats import PipelineStats
+from pipelines._tensorflow import tf
 from pipelines._tfrecord_index import IndexedTFRecordFiles
 
 _COUNT_BATCH = 4096

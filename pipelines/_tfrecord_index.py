@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import numba
 import numpy as np
-import tensorflow as tf
-from tensorflow.python.lib.io import tf_record
 
+from pipelines._errors import DataError
 from pipelines._records import tf_error_reason
+from pipelines._tensorflow import tf
 
 _HEADER_BYTES = 12  # length, its checksum
 _FOOTER_BYTES = 4  # the data's checksum
@@ -49,14 +49,14 @@ def record_offsets(path: str) -> np.ndarray:
     """`int64[records]` the offset of each record of a TFRecord file.
 
     Raises:
-      ValueError: the file ends inside a record (named, with the offset).
+      DataError: the file ends inside a record (named, with the offset).
     """
     if os.path.getsize(path) == 0:
         return np.zeros(0, np.int64)
     data = np.memmap(path, np.uint8, mode="r")
     count, end = _walk(data, np.zeros(0, np.int64))
     if end != data.size:
-        raise ValueError(
+        raise DataError(
             f"{path}: corrupt or truncated TFRecord file: its record lengths add up to "
             f"{end} bytes, the file has {data.size}."
         )
@@ -84,7 +84,7 @@ class IndexedTFRecordFiles:
         """The records at `record_indices` (`int[k]`, each in the dataset), in that order.
 
         Raises:
-          ValueError: a record fails its checksums (its file and offset named).
+          DataError: a record fails its checksums (its file and offset named).
         """
         indices = np.asarray(record_indices, np.int64).reshape(-1)
         file_of = np.searchsorted(self._ends, indices, side="right")
@@ -97,11 +97,13 @@ class IndexedTFRecordFiles:
 
     def _read(self, f: int, offset: int) -> bytes:
         if f not in self._readers:
+            from tensorflow.python.lib.io import tf_record  # TensorFlow, when first read
+
             self._readers[f] = tf_record.tf_record_random_reader(self._paths[f])
         try:
             record, _ = self._readers[f].read(offset)
         except (tf.errors.OpError, OSError, IndexError) as error:
-            raise ValueError(
+            raise DataError(
                 f"{self._paths[f]}: corrupt or truncated TFRecord file at byte {offset}: "
                 f"{tf_error_reason(error)}"
             ) from error

@@ -29,7 +29,9 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
+from embedding import SparseflowError
 from sparseflow import _hosts, _run_identity
+from sparseflow._errors import UsageError
 
 _log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class CheckpointError(RuntimeError):
     """No checkpoint in the directory could be restored, or the processes disagree on them."""
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(SparseflowError, ValueError):
     """The checkpoint was written by another run, or holds other arrays than this run's."""
 
 
@@ -68,7 +70,7 @@ def check_fresh(directory: str | Path) -> None:
     """Checks that a run starting afresh may write its checkpoints into `directory`.
 
     Raises:
-      ValueError: `directory` holds anything (another run's checkpoints would
+      UsageError: `directory` holds anything (another run's checkpoints would
         mix with this run's); the message says how to proceed.
     """
     directory = Path(directory)
@@ -77,7 +79,7 @@ def check_fresh(directory: str | Path) -> None:
     entries = sorted(entry.name for entry in directory.iterdir())
     if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise ValueError(
+        raise UsageError(
             f"Checkpoint folder {directory} is not empty ({shown}): it holds an earlier "
             "run's checkpoints. Pass --resume to continue that run, or give this run an "
             "empty or new --checkpoint-dir (delete the folder first if its run is no "

@@ -49,7 +49,7 @@ _INITIALIZERS: dict[str, type] = {
 _DEFAULT_ZIPF_EXPONENT = 1.1
 
 
-class ConfigError(ValueError):
+class ConfigError(embedding.SparseflowError, ValueError):
     """A config file that cannot be used; the message names the file and entry.
 
     Attributes:

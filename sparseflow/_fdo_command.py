@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         nargs="+",
         help="record files (ArrayRecord or TFRecord): files, directories or glob patterns, "
-        f"read in the given order (default: the config's dataset.dir/{_DEFAULT_FORMAT_DIR})",
+        "local or fsspec URLs as --out takes (gs://bucket/data, file:///data), read in the "
+        f"given order (default: the config's dataset.dir/{_DEFAULT_FORMAT_DIR})",
     )
     parser.add_argument(
         "--out", help="output directory of the stats (default: the config's dataset.dir/fdo)"

@@ -28,6 +28,7 @@ import tqdm
 import beam_jobs
 import pipelines
 from sparseflow._arguments import positive_int
+from sparseflow._errors import UsageError
 from sparseflow._runner_options import add_runner_arguments, dask_address, pipeline_args
 
 CRITEO = "criteo"
@@ -35,6 +36,13 @@ _FORMATS = (CRITEO, "csv", "tsv", "parquet")
 _EXTENSION_FORMATS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
 _DELIMITERS = {"csv": ",", "tsv": "\t", CRITEO: "\t"}
 _POLL_S = 0.5
+
+
+def _columns(text: str) -> list[beam_jobs.Column]:
+    try:
+        return beam_jobs.parse_columns(text)
+    except beam_jobs.ColumnSpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--columns",
-        type=beam_jobs.parse_columns,
+        type=_columns,
         help="CSV/TSV: the columns as name:kind,... (kinds: int, float, string, hex); "
         "with --header, kinds of some header columns (the others are strings)",
     )
@@ -81,7 +89,7 @@ def input_files(entries: list[str]) -> list[str]:
     """Files, directories (their visible files, sorted) and glob patterns (sorted) -> files.
 
     Raises:
-      ValueError: an entry that matches no file.
+      DataError: an entry that matches no file.
     """
     files = []
     for entry in entries:
@@ -92,7 +100,7 @@ def input_files(entries: list[str]) -> list[str]:
             found = sorted(glob.glob(entry)) if glob.has_magic(entry) else [entry]
         found = [path for path in found if os.path.isfile(path)]
         if not found:
-            raise ValueError(f"No input files match {entry!r}.")
+            raise pipelines.DataError(f"No input files match {entry!r}.")
         files.extend(found)
     return files
 
@@ -101,11 +109,12 @@ def import_config(args: argparse.Namespace, files: list[str]) -> beam_jobs.Impor
     """The job's config from the arguments (the column spec from a header or schema if so asked).
 
     Raises:
-      ValueError: options that do not fit the format, or files whose headers differ.
+      UsageError: options that do not fit the format.
+      DataError: files whose headers differ, or an unreadable one.
     """
     fmt = args.format or _EXTENSION_FORMATS.get(os.path.splitext(files[0])[1].lower())
     if fmt is None:
-        raise ValueError(
+        raise UsageError(
             f"Cannot tell the format of {files[0]} from its extension: pass --format "
             f"({', '.join(_FORMATS)})."
         )
@@ -115,13 +124,13 @@ def import_config(args: argparse.Namespace, files: list[str]) -> beam_jobs.Impor
             name for name in ("header", "columns", "label", "delimiter") if getattr(args, name)
         ]
         if given:
-            raise ValueError(f"--format criteo fixes the columns; drop --{', --'.join(given)}.")
+            raise UsageError(f"--format criteo fixes the columns; drop --{', --'.join(given)}.")
         return beam_jobs.ImportConfig(
             spec=beam_jobs.criteo_spec(), delimiter=_DELIMITERS[CRITEO], **common
         )
     if fmt == "parquet":
         if args.header or args.columns or args.delimiter:
-            raise ValueError(
+            raise UsageError(
                 "A Parquet file's schema gives its columns: drop --header, "
                 "--columns and --delimiter."
             )
@@ -138,7 +147,7 @@ def import_config(args: argparse.Namespace, files: list[str]) -> beam_jobs.Impor
 def _text_spec(args: argparse.Namespace, files: list[str], delimiter: str) -> beam_jobs.ColumnSpec:
     if not args.header:
         if not args.columns:
-            raise ValueError(
+            raise UsageError(
                 "Name the columns: --header (a header line) or --columns name:kind,..."
             )
         return beam_jobs.ColumnSpec(tuple(args.columns), label=args.label)
@@ -146,11 +155,11 @@ def _text_spec(args: argparse.Namespace, files: list[str], delimiter: str) -> be
     first = headers[files[0]]
     differing = [path for path, header in headers.items() if header != first]
     if differing:
-        raise ValueError(f"The header of {differing[0]} differs from that of {files[0]}.")
+        raise pipelines.DataError(f"The header of {differing[0]} differs from that of {files[0]}.")
     try:
         names = beam_jobs.split_line(first, delimiter)
-    except ValueError as e:
-        raise ValueError(f"{files[0]}: unreadable header line: {e}") from e
+    except beam_jobs.BadLine as e:
+        raise pipelines.DataError(f"{files[0]}: unreadable header line: {e}") from e
     return beam_jobs.spec_from_names(names, args.columns or (), args.label)
 
 

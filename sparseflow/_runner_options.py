@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 from sparseflow._arguments import positive_int
+from sparseflow._errors import UsageError
 
 _RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
 DASK = "dask"
@@ -68,17 +69,17 @@ def dask_address(args: argparse.Namespace) -> Iterator[str | None]:
     """The scheduler to run on with `--runner dask` (a local one lives as long as the job)."""
     if args.runner != DASK:
         if args.dask_address is not None or args.dask_workers is not None:
-            raise ValueError("--dask-address and --dask-workers need --runner dask.")
+            raise UsageError("--dask-address and --dask-workers need --runner dask.")
         yield None
         return
     if args.dask_address is not None and args.dask_workers is not None:
-        raise ValueError(
+        raise UsageError(
             "--dask-workers sizes a local cluster; a cluster at --dask-address has its own workers."
         )
     try:
         from beam_jobs import dask_cluster  # the `dask` extra: only this runner needs it
     except ModuleNotFoundError as e:
-        raise ValueError(f"--runner dask needs {e.name}: pip install 'sparseflow[dask]'.") from e
+        raise UsageError(f"--runner dask needs {e.name}: pip install 'sparseflow[dask]'.") from e
     with dask_cluster.dask_cluster(
         address=args.dask_address, workers=args.dask_workers or _DEFAULT_DASK_WORKERS
     ) as address:

@@ -33,6 +33,7 @@ from parallel import allreduce
 from sparseflow import _model, _run_identity
 from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._config import RunConfig
+from sparseflow._errors import UsageError
 from sparseflow._metrics import MetricsWriter, Progress
 from sparseflow._steps import DenseInputs, Stages, init_train_state, replicate
 
@@ -76,7 +77,7 @@ class TrainOptions:
     agreement_hosts: Sequence[str] | None = None
 
 
-class TrainingDivergedError(ValueError):
+class TrainingDivergedError(embedding.SparseflowError, ValueError):
     """The loss or the parameters stopped being finite; nothing from that step on is saved."""
 
 
@@ -154,13 +155,13 @@ def _agreement(config: RunConfig, options: TrainOptions) -> allreduce.AllReduceC
         return None
     port = options.agreement_port or config.training.agreement_port
     if not port:
-        raise ValueError(
+        raise UsageError(
             "Minibatching on several hosts needs training.agreement_port (the first "
             "port of the hosts' all-reduce groups) in the config."
         )
     hosts = options.agreement_hosts or ["127.0.0.1"] * jax.process_count()
     if len(hosts) != jax.process_count():
-        raise ValueError(f"{len(hosts)} agreement hosts given for {jax.process_count()} processes.")
+        raise UsageError(f"{len(hosts)} agreement hosts given for {jax.process_count()} processes.")
     return allreduce.AllReduceConfig(
         rank=jax.process_index(),
         peers=agreement_peers(hosts, port),
@@ -334,7 +335,7 @@ def _dummy_input(pipeline_state) -> parallel.CurrentStepInput:
 def _number_of_steps(run: _Run, batches: pipelines.DeviceIterator) -> int:
     wanted = run.options.steps or run.config.training.steps or batches.num_batches
     if wanted > batches.num_batches:
-        raise ValueError(
+        raise UsageError(
             f"{wanted} steps need {wanted} global batches but the data holds "
             f"{batches.num_batches} (x epochs); raise training.epochs or lower the steps."
         )
