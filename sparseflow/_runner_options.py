@@ -80,7 +80,12 @@ def dask_address(args: argparse.Namespace) -> Iterator[str | None]:
         from beam_jobs import dask_cluster  # the `dask` extra: only this runner needs it
     except ModuleNotFoundError as e:
         raise UsageError(f"--runner dask needs {e.name}: pip install 'sparseflow[dask]'.") from e
-    with dask_cluster.dask_cluster(
-        address=args.dask_address, workers=args.dask_workers or _DEFAULT_DASK_WORKERS
-    ) as address:
+    with contextlib.ExitStack() as stack:
+        cluster = dask_cluster.dask_cluster(
+            address=args.dask_address, workers=args.dask_workers or _DEFAULT_DASK_WORKERS
+        )
+        try:
+            address = stack.enter_context(cluster)
+        except ValueError as e:  # no scheduler at --dask-address: the user's to fix
+            raise UsageError(str(e)) from e
         yield address

@@ -73,6 +73,8 @@ def test_import_writes_records_dead_letters_and_a_summary(tmp_path, capsys):
             r"Columns \['w'\] are given kinds",
         ),
         ({"a.parquet": "not parquet"}, [], "not a readable Parquet file"),
+        ({"a.csv": "1;2\n"}, ["--columns", "a,b", "--delimiter", ";;"], "one character"),
+        ({"a.csv": "1\n"}, ["--columns", "a", "--label", "a"], "must be int or float"),
     ],
 )
 def test_bad_options_are_user_errors(tmp_path, capsys, files, options, message):
@@ -84,3 +86,10 @@ def test_bad_options_are_user_errors(tmp_path, capsys, files, options, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ")
     assert re.search(message, err)
+
+
+def test_an_unknown_column_kind_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["import", "--input", "x.csv", "--out", "o", "--columns", "a:text"])
+    assert exit_.value.code == 2
+    assert "Column 'a': unknown kind 'text'" in capsys.readouterr().err

@@ -18,7 +18,7 @@ _OWN_LINE = re.compile(
     r"^((DEBUG|INFO|WARNING|ERROR|CRITICAL) (embedding|parallel|pipelines|beam_jobs|sparseflow)"
     r"(\.\w+)*: |error: )"
 )
-COMMANDS = ["make-data", "demo", "stats", "fdo", "train"]
+COMMANDS = ["make-data", "demo", "stats", "fdo", "import", "train"]
 
 
 # The test process's own settings: importing jax sets TF_CPP_MIN_LOG_LEVEL, and
