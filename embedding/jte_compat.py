@@ -151,12 +151,18 @@ def update_preprocessing_parameters(
     Raises:
       TypeError: `stats` is not `FdoStats` (the reference's
         `SparseDenseMatmulInputStats` of one batch carries no geometry).
+      ValueError: `num_sc_per_device` is not the stats' partitions per device.
     """
     if not isinstance(stats, FdoStats):
         raise TypeError(
             f"stats must be FdoStats (from FDOClient.load()), got {type(stats).__name__}."
         )
-    _num_sc(num_sc_per_device)
+    num_sc = _num_sc(num_sc_per_device)
+    if num_sc != stats.geometry.partitions_per_device:
+        raise ValueError(
+            f"num_sc_per_device is {num_sc} but the stats were measured with "
+            f"{stats.geometry.partitions_per_device} partitions per device."
+        )
     prepared = apply_fdo(feature_specs, stats)
     _update_in_place(feature_specs, prepared)
     return prepared

@@ -306,3 +306,22 @@ def test_adagrad_slots_travel_as_the_references_slot_tuple():
     assert isinstance(updated["t"], jte_compat.EmbeddingVariables)
     np.testing.assert_array_equal(updated["t"].table, expected["t"].table)
     np.testing.assert_array_equal(updated["t"].slot.accumulator, expected["t"].slots.accumulator)
+
+
+def test_fdo_stats_of_the_client_update_the_callers_specs(tmp_path):
+    specs = _specs()
+    geometry = embedding.FdoGeometry(global_batch_size=16, devices=8, partitions_per_device=2)
+    client = jte_compat.FDOClient(tmp_path, config_hash="h", geometry=geometry)
+    ids = np.zeros((16, 1), np.int32)  # every sample looks up id 0: one busy partition
+    _, stats = jte_compat.preprocess_sparse_dense_matmul_input(
+        {"f": ids}, None, specs, 8, 8, num_sc_per_device=2
+    )
+    client.record(stats)
+    client.publish()
+    loaded = client.load()
+    with pytest.raises(ValueError, match="measured with 2 partitions per device"):
+        jte_compat.update_preprocessing_parameters(dict(specs), loaded, 4)
+    returned = jte_compat.update_preprocessing_parameters(specs, loaded, 2)
+    assert returned["f"] is specs["f"]
+    assert specs == embedding.apply_fdo(_specs(), loaded)
+    assert specs["f"].table_spec.stacked_table_spec.max_ids_per_partition < 256
