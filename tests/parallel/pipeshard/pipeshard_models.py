@@ -37,25 +37,26 @@ def _normal(rng, shape, scale=1.0):
     return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
 
 
-# ---- MLP: 4 tanh layers with a boundary between each -------------------------
+# ---- MLP: tanh layers (4 by default) with a boundary between each ------------
 
 MLP_LAYERS = 4
 
 
-def mlp_init(rng, width=8, tied=False):
-    params = {f"w{i}": _normal(rng, (width, width), width**-0.5) for i in range(MLP_LAYERS)}
-    params |= {f"b{i}": _normal(rng, (width,), 0.1) for i in range(MLP_LAYERS)}
+def mlp_init(rng, width=8, tied=False, layers=MLP_LAYERS):
+    params = {f"w{i}": _normal(rng, (width, width), width**-0.5) for i in range(layers)}
+    params |= {f"b{i}": _normal(rng, (width,), 0.1) for i in range(layers)}
     if tied:  # The last layer reuses the first layer's weights, transposed.
-        del params[f"w{MLP_LAYERS - 1}"]
+        del params[f"w{layers - 1}"]
     return params
 
 
 def mlp_loss(params, batch):
     h = batch["x"]
-    for i in range(MLP_LAYERS):
+    layers = sum(name.startswith("b") for name in params)
+    for i in range(layers):
         w = params[f"w{i}"] if f"w{i}" in params else params["w0"].T
         h = jnp.tanh(h @ w + params[f"b{i}"])
-        if i < MLP_LAYERS - 1:
+        if i < layers - 1:
             pipeshard.mark_pipeline_boundary()
     return jnp.mean((h - batch["y"]) ** 2)
 

@@ -11,6 +11,7 @@ from parallel import pipeshard
 from parallel.pipeshard import PipelineSchedule, TaskKind
 
 SHAPES = [(m, p) for m in (1, 2, 3, 4, 8) for p in (1, 2, 3, 4)]
+ALPA_SCHEDULES = [PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B]
 
 
 def _check_dependencies(clocks, p):
@@ -33,14 +34,14 @@ def _check_dependencies(clocks, p):
 
 
 @pytest.mark.parametrize(("m", "p"), SHAPES)
-@pytest.mark.parametrize("kind", list(PipelineSchedule))
+@pytest.mark.parametrize("kind", ALPA_SCHEDULES)
 def test_every_task_once_after_its_inputs(kind, m, p):
     clocks = pipeshard.build_schedule(kind, m, p)
     assert len(_check_dependencies(clocks, p)) == 2 * m * p
 
 
 @pytest.mark.parametrize(("m", "p"), SHAPES)
-@pytest.mark.parametrize("kind", list(PipelineSchedule))
+@pytest.mark.parametrize("kind", ALPA_SCHEDULES)
 def test_both_schedules_take_2_m_plus_p_minus_1_clocks(kind, m, p):
     clocks = pipeshard.build_schedule(kind, m, p)
     assert len(clocks) == 2 * (m + p - 1)
@@ -77,7 +78,7 @@ def _mlp_function(m):
     return function, inputs
 
 
-@pytest.mark.parametrize("kind", list(PipelineSchedule))
+@pytest.mark.parametrize("kind", ALPA_SCHEDULES)
 def test_recorded_schedule(kind):
     """The executed record: GPipe's clock count, 1F1B's activation bound."""
     m, p = 4, 4
