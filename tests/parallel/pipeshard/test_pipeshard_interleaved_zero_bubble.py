@@ -11,7 +11,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from pipeshard_models import TrainState, mlp_batch, mlp_init, mlp_loss, train_step
+from pipeshard_models import (
+    TrainState,
+    check_dependencies,
+    mlp_batch,
+    mlp_init,
+    mlp_loss,
+    train_step,
+)
 
 from parallel import pipeshard
 from parallel.pipeshard import PipelineSchedule, TaskKind
@@ -21,28 +28,6 @@ ZERO_BUBBLE = PipelineSchedule.ZERO_BUBBLE
 TX = optax.adam(0.05)
 
 
-def _check_dependencies(clocks, p, v=1):
-    """Every task once, after its inputs; one task per device group per clock."""
-    chunks = p * v
-    done_at = {}
-    for clock, tasks in enumerate(clocks):
-        assert len({t.stage % p for t in tasks}) == len(tasks), "a group runs two tasks at once"
-        for task in tasks:
-            key = (task.stage, task.microbatch, task.kind)
-            assert key not in done_at
-            done_at[key] = clock
-    for (stage, k, kind), clock in done_at.items():
-        if kind is TaskKind.FORWARD and stage > 0:
-            assert done_at[(stage - 1, k, TaskKind.FORWARD)] < clock
-        if kind is TaskKind.BACKWARD:
-            assert done_at[(stage, k, TaskKind.FORWARD)] < clock
-            if stage < chunks - 1:
-                assert done_at[(stage + 1, k, TaskKind.BACKWARD)] < clock
-        if kind is TaskKind.WEIGHT:
-            assert done_at[(stage, k, TaskKind.BACKWARD)] < clock
-    return done_at
-
-
 SHAPES = [(m, p) for m in (1, 2, 3, 4, 8, 16) for p in (1, 2, 3, 4)]
 
 
@@ -50,7 +35,7 @@ SHAPES = [(m, p) for m in (1, 2, 3, 4, 8, 16) for p in (1, 2, 3, 4)]
 @pytest.mark.parametrize("v", [1, 2, 3])
 def test_interleaved_clocks(m, p, v):
     clocks = pipeshard.build_schedule(INTERLEAVED, m, p, v)
-    assert len(_check_dependencies(clocks, p, v)) == 2 * m * p * v
+    assert len(check_dependencies(clocks, p, v)) == 2 * m * p * v
     bubble = pipeshard.clock_bubble_fraction(clocks, p)
     theory = pipeshard.theoretical_bubble_fraction(INTERLEAVED, m, p, v)
     if m % p == 0:  # Megatron-LM's condition for the interleaved bound
@@ -72,7 +57,7 @@ def test_interleaved_holds_no_more_than_gpipe(m, p, v):
 @pytest.mark.parametrize(("m", "p"), SHAPES)
 def test_zero_bubble_clocks(m, p):
     clocks = pipeshard.build_schedule(ZERO_BUBBLE, m, p)
-    assert len(_check_dependencies(clocks, p)) == 3 * m * p
+    assert len(check_dependencies(clocks, p)) == 3 * m * p
     tasks = [t for clock in clocks for t in clock]
     for stage in range(p):  # 1F1B's peak, that of its first stage
         assert pipeshard.max_inflight_microbatches(tasks, stage) <= min(p, m)
@@ -169,7 +154,7 @@ def test_interleaved_matches_reference(num_stages, m, tied):
     # Stage c runs on group c % p: chunks 0 and p share their devices.
     assert executable.meshes[0] is executable.meshes[num_stages]
     assert executable.meshes[0] is not executable.meshes[1]
-    _check_dependencies(record.clocks, num_stages, 2)
+    check_dependencies(record.clocks, num_stages, 2)
     if m % num_stages == 0:
         assert record.clock_bubble_fraction() == pytest.approx(record.theoretical_bubble_fraction())
 
@@ -193,7 +178,7 @@ def test_zero_bubble_matches_reference(num_stages, m, tied):
         assert not set(program.piece(stage, TaskKind.BACKWARD).sum_outputs) & set(
             weight.sum_outputs
         )
-    _check_dependencies(record.clocks, num_stages)
+    check_dependencies(record.clocks, num_stages)
 
 
 def test_zero_bubble_shares_forward_programs_with_other_schedules():
