@@ -253,3 +253,11 @@ def test_pipeshard_tc_stage_gives_its_shapes_untraced():
     assert state.step_before_last_step_inputs.embedding_gradients["f"].shape == (BATCH, DIM)
     assert state.placeholder_output.shape == ()
     assert jax.tree.structure(state.placeholder_tc_aux) == jax.tree.structure(train_state.step)
+
+
+def test_host_driven_step_refuses_a_gradient_multiplier():
+    batch, train_state, tables, state = _traced_step_inputs()
+    sc_fwd, sc_bwd = _sparse_stages()
+    run_step = parallel.host_driven_step(sc_fwd, _pipeshard_tc(), sc_bwd)
+    with pytest.raises(ValueError, match="no gradient_multiplier"):
+        run_step(batch, train_state, tables, state, fake_tc_step=False, gradient_multiplier=1.0)
