@@ -1,9 +1,10 @@
 """Embedding specs, host preprocessing into the sharded layout, lookup and updates.
 
-This package imports none of sparseflow's other packages.
+This package imports none of sparseflow's other packages. `jte_compat` holds
+jax-tpu-embedding's names and signatures as aliases (docs/switching.md).
 """
 
-from embedding import initializers
+from embedding import initializers, jte_compat
 from embedding._buffers import aligned_empty
 from embedding._errors import SparseflowError
 from embedding._fdo_client import (
@@ -113,6 +114,7 @@ __all__ = [
     "get_stacked_table_specs",
     "init_embedding_variables",
     "initializers",
+    "jte_compat",
     "load_fdo_stats",
     "merge_fdo_stats",
     "preprocess_sparse_dense_matmul_input",

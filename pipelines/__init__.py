@@ -3,6 +3,11 @@
 Records are serialized `tf.train.Example`s in ArrayRecord or TFRecord files;
 `parse_examples` turns a batch of them into ragged ids (`embedding.RaggedIds`),
 dense features and labels.
+
+`make_grain_iterator` and `make_tfdata_iterator` are the one-call paths;
+`ParseRecords` and `LayOutBatch` (Grain transforms) and `TFDataPreprocess`
+(a tf.data map) put the same parsing and preprocessing into a pipeline of
+one's own.
 """
 
 from pipelines._batching import BatchingConfig
@@ -12,8 +17,10 @@ from pipelines._grain import (
     GrainOptions,
     WorkerPriority,
     batch_record_indices,
+    init_grain_worker,
     make_grain_iterator,
 )
+from pipelines._grain_transforms import LayOutBatch, ParseRecords
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput, PackedLayout, pack, packed_shape
 from pipelines._parse import (
@@ -34,6 +41,7 @@ from pipelines._records import RecordFileWriter, RecordFormat, list_record_files
 from pipelines._stats import BatchReport, PipelineStats
 from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synthetic_dataset
 from pipelines._tfdata import make_tfdata_iterator
+from pipelines._tfdata_map import TFDataPreprocess
 
 __all__ = [
     "BadRecordError",
@@ -49,8 +57,10 @@ __all__ = [
     "HostBatch",
     "HostIterator",
     "InputRecordError",
+    "LayOutBatch",
     "PackedInput",
     "PackedLayout",
+    "ParseRecords",
     "ParsedBatch",
     "PipelineStats",
     "PreprocessConfig",
@@ -58,8 +68,10 @@ __all__ = [
     "RecordFormat",
     "SyntheticDataset",
     "SyntheticFeature",
+    "TFDataPreprocess",
     "WorkerPriority",
     "batch_record_indices",
+    "init_grain_worker",
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",

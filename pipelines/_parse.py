@@ -215,6 +215,12 @@ def _float_feature(values: list[float]) -> tf.train.Feature:
 
 
 def _as_record_list(records: Sequence[bytes]) -> list[bytes]:
+    if isinstance(records, np.ndarray) and records.dtype.kind == "S":
+        raise TypeError(
+            f"The records arrived as a fixed-width bytes array (dtype {records.dtype}), "
+            "which drops each record's trailing zero bytes; pass a list or an object "
+            "array (with Grain, batch records with `batch(n, batch_fn=list)`)."
+        )
     records = list(records)
     for index, record in enumerate(records):
         if not isinstance(record, bytes):

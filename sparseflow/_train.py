@@ -243,7 +243,14 @@ class _Run:
             mesh=mesh,
             optimizer=_model.dense_optimizer(config.model),
             enable_minibatching=config.preprocessing.enable_minibatching,
+            pipeshard=config.model.pipeshard,
         )
+        if config.model.pipeshard is not None and not self.pipelined:
+            raise ValueError(
+                "model.pipeshard runs the dense tower inside SC/TC pipelined training; set "
+                "training.pipelined: true (or drop --no-pipelined). Without pipelining the "
+                "whole step is one compiled program, with the tower unpipelined."
+            )
         key_tables, key_dense = jax.random.split(jax.random.key(config.seed))
         self.tables = embedding.init_embedding_variables(
             key_tables, self.specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
@@ -406,7 +413,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
     with _setup_objects_frozen():
         total = parallel.get_pipeline_train_steps(n) if run.pipelined else n
         every = run.config.training.checkpoint_every
-        pipelined_step = parallel.jit_step(run.stages.sc_fwd, run.stages.tc, run.stages.sc_bwd)
+        pipelined_step = _pipelined_step(run.stages)
         progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
         began, logged, call_seconds = time.perf_counter(), len(run.losses), []
         for t in range(start, total):
@@ -451,6 +458,13 @@ def _setup_objects_frozen():
         yield
     finally:
         gc.unfreeze()
+
+
+def _pipelined_step(stages: Stages):
+    """The pipelined step: one compiled program, or with pipeshard the tower from the host."""
+    if stages.pipeshard is None:
+        return parallel.jit_step(stages.sc_fwd, stages.tc, stages.sc_bwd)
+    return parallel.host_driven_step(stages.sc_fwd, stages.pipeshard_tc, stages.sc_bwd)
 
 
 def _pipelined_call(run: _Run, pipelined_step, t: int, n: int, batch) -> None:
