@@ -23,12 +23,12 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-import tensorflow as tf
 
 from pipelines._packing import PackedInput, packed_layout
 from pipelines._parse import parse_examples
 from pipelines._preprocess_stage import HostBatch, PreprocessConfig, PreprocessStage
 from pipelines._stats import BatchReport
+from pipelines._tensorflow import tf
 
 
 class TFDataPreprocess:

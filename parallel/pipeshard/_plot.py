@@ -5,11 +5,6 @@ from __future__ import annotations
 import enum
 import os
 
-from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-
 from parallel.pipeshard._schedules import ExecutedSchedule, TaskKind
 
 _HATCH = {TaskKind.FORWARD: None, TaskKind.BACKWARD: "//", TaskKind.WEIGHT: ".."}
@@ -39,6 +34,13 @@ def plot_schedule(
     row are the pipeline's bubbles; the title gives their share against the
     schedule's theoretical one (`theoretical_bubble_fraction`).
     """
+    # Imported here: models mark pipeline boundaries through this package,
+    # and a training process that never draws needs no matplotlib.
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     axis = TimelineAxis(timing)
     p, m = schedule.num_stages, schedule.num_microbatches
     if axis is TimelineAxis.CLOCK:
