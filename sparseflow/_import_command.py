@@ -186,6 +186,10 @@ def _shard_progress(paths: list[str], enabled: bool) -> Iterator[None]:
         bar.close()
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def run(args: argparse.Namespace, config=None) -> None:
     """Runs the import; prints what it wrote and the distinct values per column."""
     del config  # the import needs no run config
@@ -198,9 +202,9 @@ def run(args: argparse.Namespace, config=None) -> None:
         result = beam_jobs.run_import_job(files, job, args.out, pipeline_args(args, address))
     summary = result.summary
     print(
-        f"Imported {summary['records']:,} records of {summary['lines']:,} lines from "
-        f"{len(files)} files ({summary['dead_letters']:,} dead letters) into "
-        f"{len(result.files)} {job.output_format.value} files in {args.out}."
+        f"Imported {_count(summary['records'], 'record')} of {_count(summary['lines'], 'line')} "
+        f"from {_count(len(files), 'file')} ({_count(summary['dead_letters'], 'dead letter')}) "
+        f"into {_count(len(result.files), job.output_format.value + ' file')} in {args.out}."
     )
     print(f"Dead letters: {result.dead_letters_path}")
     print(f"Summary: {result.summary_path}")

@@ -39,7 +39,7 @@ def test_import_writes_records_dead_letters_and_a_summary(tmp_path, capsys):
     expected = cases.expected_records()
     bad = len(cases.CRITEO_LINES) - len(expected)
     assert (
-        f"Imported {len(expected)} records of {len(cases.CRITEO_LINES)} lines from 1 files "
+        f"Imported {len(expected)} records of {len(cases.CRITEO_LINES)} lines from 1 file "
         f"({bad} dead letters) into 2 tfrecord files in {out}." in printed
     )
     files = sorted(str(p) for p in out.glob("part-*.tfrecord"))
