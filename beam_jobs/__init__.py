@@ -18,7 +18,7 @@ from beam_jobs._combiners import (
     PartialCombineFn,
     histogram_percentiles,
 )
-from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._job_config import FdoJobConfig, TrainingOrder
 from beam_jobs._plot import plot_fdo_stats
 from beam_jobs._transforms import (
     METRICS_NAMESPACE,
@@ -49,6 +49,7 @@ __all__ = [
     "PartialCombineFn",
     "ReadGlobalBatches",
     "SparseRows",
+    "TrainingOrder",
     "WriteDeadLetters",
     "WriteFdoStatsFile",
     "histogram_percentiles",

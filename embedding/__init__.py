@@ -13,6 +13,7 @@ from embedding._fdo_client import (
     merge_fdo_stats,
     write_fdo_stats,
 )
+from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats, TableIdFrequency
 from embedding._fdo_geometry import FdoGeometry
 from embedding._fdo_layout import FdoLayout, fdo_layout
@@ -74,6 +75,7 @@ __all__ = [
     "EmbeddingVariables",
     "FTRLOptimizerSpec",
     "FTRLSlots",
+    "FdoBatchOrder",
     "FdoClient",
     "FdoGeometry",
     "FdoLayout",

@@ -5,12 +5,13 @@ Records are serialized `tf.train.Example`s in ArrayRecord or TFRecord files;
 dense features and labels.
 """
 
-from pipelines._batching import BatchingConfig
+from pipelines._batching import BatchingConfig, BatchPlan
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
 from pipelines._grain import (
     GrainOptions,
     WorkerPriority,
     batch_record_indices,
+    grain_batch_plan,
     make_grain_iterator,
 )
 from pipelines._host_iterator import HostIterator
@@ -38,6 +39,7 @@ __all__ = [
     "BadRecordError",
     "BadRecordPolicy",
     "BatchReport",
+    "BatchPlan",
     "BatchingConfig",
     "DeviceBatch",
     "DeviceIterator",
@@ -56,6 +58,7 @@ __all__ = [
     "SyntheticFeature",
     "WorkerPriority",
     "batch_record_indices",
+    "grain_batch_plan",
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",

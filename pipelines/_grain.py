@@ -51,7 +51,7 @@ from pipelines._preprocess_stage import (
 )
 from pipelines._records import PathOrPaths, list_record_files
 from pipelines._shared_buffers import SharedBatchBuffers
-from pipelines._shuffle import grain_epoch_order
+from pipelines._shuffle import grain_epoch_order, grain_epoch_positions
 from pipelines._stats import PipelineStats
 
 _log = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ class GrainShuffle:
 
     def __call__(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         return grain_epoch_order(self._num_records, self._seed, epoch, positions)
+
+    def positions(self, epoch: int, records: np.ndarray) -> np.ndarray:
+        return grain_epoch_positions(self._num_records, self._seed, epoch, records)
 
 
 def _init_worker(worker_index: int, worker_count: int, *, priority: WorkerPriority) -> None:
@@ -321,7 +324,11 @@ def grain_dataset(
 
 
 def _plan(reader: ArrayRecordReader, batching: BatchingConfig) -> BatchPlan:
-    num_records = reader.files.num_records
+    return grain_batch_plan(batching, reader.files.num_records)
+
+
+def grain_batch_plan(batching: BatchingConfig, num_records: int) -> BatchPlan:
+    """The batches `make_grain_iterator` draws from a dataset of `num_records` records."""
     order = (
         FileOrder()
         if batching.shuffle_seed is None
