@@ -10,9 +10,11 @@ from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
 from pipelines._grain import (
     GrainOptions,
     WorkerPriority,
+    batch_layout_stats,
     batch_record_indices,
     grain_batch_plan,
     make_grain_iterator,
+    num_records,
 )
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput, PackedLayout, pack, packed_shape
@@ -57,11 +59,13 @@ __all__ = [
     "SyntheticDataset",
     "SyntheticFeature",
     "WorkerPriority",
+    "batch_layout_stats",
     "batch_record_indices",
     "grain_batch_plan",
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",
+    "num_records",
     "pack",
     "packed_shape",
     "parse_examples",

@@ -154,6 +154,8 @@ def grain_epoch_order(num_records: int, seed: int, epoch: int, positions: np.nda
     return shuffled_indices(positions, num_records - 1, (seed + epoch) % 2**32)
 
 
-def grain_epoch_positions(num_records: int, seed: int, epoch: int, records: np.ndarray) -> np.ndarray:
+def grain_epoch_positions(
+    num_records: int, seed: int, epoch: int, records: np.ndarray
+) -> np.ndarray:
     """`int64[k]` the positions of `records` (`int[k]`) in `epoch`: `grain_epoch_order`'s inverse."""
     return unshuffled_indices(records, num_records - 1, (seed + epoch) % 2**32)

@@ -80,7 +80,9 @@ def _training_batches(files, by_row, processes: int, seed) -> list[list[bytes]]:
 
 def _stats_of(batch: int, records: list[bytes], geometry) -> str:
     stacks = fdo_cases._batch_stats(records, fdo_cases.feature_specs(), geometry)
-    return _as_json(batch, {s: {f: v.max(axis=0) for f, v in fs.items()} for s, fs in stacks.items()})
+    return _as_json(
+        batch, {s: {f: v.max(axis=0) for f, v in fs.items()} for s, fs in stacks.items()}
+    )
 
 
 def _as_json(batch: int, stacks) -> str:
