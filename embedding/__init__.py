@@ -5,6 +5,7 @@ This package imports none of sparseflow's other packages.
 
 from embedding import initializers
 from embedding._buffers import aligned_empty
+from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_client import (
     FdoClient,
     OnMismatch,
@@ -13,7 +14,6 @@ from embedding._fdo_client import (
     merge_fdo_stats,
     write_fdo_stats,
 )
-from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats, TableIdFrequency
 from embedding._fdo_geometry import FdoGeometry
 from embedding._fdo_layout import FdoLayout, fdo_layout

@@ -37,7 +37,8 @@ class FdoBatchOrder:
             isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32
         ):
             raise ValueError(
-                f"FdoBatchOrder.shuffle_seed must be None or an integer in [0, 2**32), got {seed!r}."
+                "FdoBatchOrder.shuffle_seed must be None or an integer in [0, 2**32), "
+                f"got {seed!r}."
             )
 
     def covers(self, run: FdoBatchOrder) -> bool:

@@ -94,7 +94,10 @@ def _cycle_walk(values, keys, w, mask, max_index):
 
 @numba.njit(cache=True, nogil=True)
 def _cycle_walk_back(values, keys, w, mask, max_index):
-    """Decrypts each of `values` (in place) until it is at most `max_index`: `_cycle_walk`'s inverse."""
+    """Decrypts each of `values` (in place) until it is at most `max_index`.
+
+    `_cycle_walk`'s inverse: the rounds undone in reverse order.
+    """
     for i in range(values.size):
         value = values[i]
         while True:
@@ -157,5 +160,5 @@ def grain_epoch_order(num_records: int, seed: int, epoch: int, positions: np.nda
 def grain_epoch_positions(
     num_records: int, seed: int, epoch: int, records: np.ndarray
 ) -> np.ndarray:
-    """`int64[k]` the positions of `records` (`int[k]`) in `epoch`: `grain_epoch_order`'s inverse."""
+    """`int64[k]` the positions of `records` (`int[k]`) in `epoch`: `grain_epoch_order` inverted."""
     return unshuffled_indices(records, num_records - 1, (seed + epoch) % 2**32)

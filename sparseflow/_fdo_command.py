@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
-    """The FDO job's view of a run config: the batches training draws; the stats carry its layout."""
+    """The FDO job's view of a run config: training's batches; the stats carry its layout."""
     mesh = config.mesh
     return beam_jobs.FdoJobConfig(
         feature_specs=config.feature_specs,
