@@ -94,6 +94,7 @@ class TrainResult(NamedTuple):
         calls), from dispatch until its outputs are ready.
       train_state: the dense parameters and optimizer state at the end.
       embedding_variables: the tables and slots at the end, by stack.
+      limits: the stacks' limits at the end (raised where a batch needed more).
     """
 
     steps: int
@@ -105,6 +106,7 @@ class TrainResult(NamedTuple):
     call_seconds: list[float]
     train_state: Any
     embedding_variables: dict[str, embedding.EmbeddingVariables]
+    limits: dict[str, embedding.StackLimits]
 
 
 def make_mesh() -> Mesh:
@@ -403,6 +405,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         call_seconds=call_seconds,
         train_state=run.state,
         embedding_variables=run.tables,
+        limits=embedding.stack_limits(run.specs),
     )
 
 
