@@ -87,7 +87,8 @@ def fdo_limits(
     15 values peaked at 16 ids per partition in 10 batches in file order and
     at 19 in 20 shuffled epochs, past the 18 a 1.1 headroom allows
     (`tests/embedding/test_fdo.py`). Repeats of one id cannot be split by
-    minibatching, so a breach there stops training.
+    minibatching. Stats that cover exactly the batches a run draws
+    (`FdoStats.batch_order`) need no spread margin (`spread_margin=0`).
 
     Raises:
       ValueError: a bad headroom, or one that takes a buffer past the int32

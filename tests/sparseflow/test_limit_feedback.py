@@ -168,5 +168,8 @@ def test_resume_after_a_raise_is_exact(census):
     resumed = _train.train(config, _options(census, fresh, checkpoint_dir=checkpoints, resume=True))
     assert resumed.losses == uninterrupted.losses
     assert resumed.limits == uninterrupted.limits != embedding.stack_limits(initial)
+    # Under the checkpoint's limits no batch breached again: nothing was recorded.
+    geometry = _train.fdo_geometry(config)
+    assert embedding.load_limit_raises(fresh, layout=config.fdo_layout, geometry=geometry) is None
     for a, b in zip(_leaves(resumed), _leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(a, b)
