@@ -40,9 +40,12 @@ class TrainingBatchPlan:
       geometry: global batch and hosts.
       checks: `(RecordRange.key, RangeCheck)` of every range of the dataset.
 
+    Fewer records than one global batch make no batch (the job then writes
+    no stats and says so).
+
     Raises:
-      ValueError: fewer records than one global batch, or a host's share of an
-        epoch with too few good records to fill a batch (as training would).
+      ValueError: a host's share of an epoch with too few good records to
+        fill a batch (as training would).
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class TrainingBatchPlan:
         )
         self._batch_size = geometry.global_batch_size
         self._host_rows = geometry.global_batch_size // geometry.processes
+        hosts = range(geometry.processes if total >= geometry.global_batch_size else 0)
         self._plans = [
             pipelines.grain_batch_plan(
                 pipelines.BatchingConfig(
@@ -74,18 +78,19 @@ class TrainingBatchPlan:
                 ),
                 total,
             )
-            for host in range(geometry.processes)
+            for host in hosts
         ]
         self._bad = np.concatenate(bad) if bad else np.zeros(0, np.int64)
         self._fill_records, self._fill_batches, self._fill_keys = self._fill_ins()
 
-    @property
-    def num_batches(self) -> int:
-        return self._plans[0].num_batches
+    def _batch_rows(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self._plans:
+            return (np.zeros(0, np.int64),) * 3
+        return self._plans[0].batch_rows(records)
 
     def _fill_ins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(record, batch, sort key)` of every fill-in, sorted by record."""
-        batches, rows, _ = self._plans[0].batch_rows(self._bad)
+        batches, rows, _ = self._batch_rows(self._bad)
         hosts = rows // self._host_rows
         shares, counts = np.unique(np.stack([batches, hosts], axis=1), axis=0, return_counts=True)
         found = np.zeros((0, 3), np.int64)
@@ -117,7 +122,7 @@ class TrainingBatchPlan:
           batch; and how many (record, epoch) pairs fell in an epoch's dropped
           tail.
         """
-        batches, rows, index = self._plans[0].batch_rows(records)
+        batches, rows, index = self._batch_rows(records)
         keys = (rows // self._host_rows * 2) * self._batch_size + rows
         tail = records.size * self.batch_order.epochs - index.size
         # The fill-ins of records[i] are entries [start[i], start[i] + count[i]).

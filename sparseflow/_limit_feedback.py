@@ -211,8 +211,8 @@ class FeedbackIterator:
         recorded = self._write_record(batch, raised)
         if not self._can_continue:
             error.add_note(
-                f"The limits this batch needs were recorded ({recorded or 'not recorded'}): "
-                f"{shown}. A pipelined or multi-process run cannot change its limits "
+                f"The limits this batch needs were recorded in {recorded}: {shown}. A "
+                "pipelined or multi-process run cannot change its limits "
                 "mid-run; run again with --fdo to start from them."
             )
             raise error
