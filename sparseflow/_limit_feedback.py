@@ -213,7 +213,8 @@ class FeedbackIterator:
             error.add_note(
                 f"The limits this batch needs were recorded in {recorded}: {shown}. A "
                 "pipelined or multi-process run cannot change its limits "
-                "mid-run; run again with --fdo to start from them."
+                "mid-run; run again with --fdo to start from them (into a new checkpoint "
+                "folder: --resume keeps the limits of the checkpoint)."
             )
             raise error
         _log.warning(
