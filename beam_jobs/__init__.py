@@ -4,7 +4,11 @@
 with the online preprocessing and writes an FDO stats file
 (`embedding.FdoStats`) whose limits `embedding.apply_fdo` puts into the specs.
 The transforms and CombineFns it is made of are public for other pipelines.
+`plot_fdo_stats` imports matplotlib when first used: the job's workers need
+none of it.
 """
+
+import importlib
 
 from beam_jobs._batch_stats import BatchStats
 from beam_jobs._batches import SparseRows
@@ -19,7 +23,6 @@ from beam_jobs._combiners import (
     histogram_percentiles,
 )
 from beam_jobs._job_config import FdoJobConfig, TrainingOrder
-from beam_jobs._plot import plot_fdo_stats
 from beam_jobs._transforms import (
     METRICS_NAMESPACE,
     CombineFdoStats,
@@ -57,3 +60,11 @@ __all__ = [
     "plot_fdo_stats",
     "run_fdo_job",
 ]
+
+_LAZY_EXPORTS = {"plot_fdo_stats": "beam_jobs._plot"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY_EXPORTS:
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

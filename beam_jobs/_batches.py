@@ -25,12 +25,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 import numpy as np
-import tensorflow as tf
 from array_record.python import array_record_module
 
 import pipelines
 from beam_jobs._record_urls import is_url, local_copy
 from embedding import RaggedIds
+from pipelines import DataError
+from pipelines._tensorflow import tf
 
 _ARRAY_RECORD_SUFFIX = ".array_record"
 _TFRECORD_READ_BATCH = 1024
@@ -54,7 +55,7 @@ def count_records(path: str) -> int:
     """Records in an ArrayRecord (from its index) or TFRecord (by reading it) file.
 
     Raises:
-      ValueError: the file is corrupt or not a record file (named).
+      DataError: the file is corrupt or not a record file (named).
     """
     try:
         with local_copy(path) as local:
@@ -66,7 +67,7 @@ def count_records(path: str) -> int:
                     reader.close()
             return int(tf.data.TFRecordDataset(local).reduce(np.int64(0), lambda n, _: n + 1))
     except (RuntimeError, tf.errors.OpError) as e:
-        raise ValueError(f"{path}: cannot count the records of this file: {_reason(e)}") from e
+        raise DataError(f"{path}: cannot count the records of this file: {_reason(e)}") from e
 
 
 def _reason(error: Exception) -> str:
@@ -96,16 +97,16 @@ def read_range(record_range: RecordRange) -> list[bytes]:
     start, skipping the earlier records unparsed.
 
     Raises:
-      ValueError: the file is corrupt or shorter than the range (named).
+      DataError: the file is corrupt or shorter than the range (named).
     """
     path, start, stop = record_range.path, record_range.start, record_range.stop
     try:
         with local_copy(path) as local:
             records = _read_local(local, path.endswith(_ARRAY_RECORD_SUFFIX), start, stop)
     except (RuntimeError, tf.errors.OpError) as e:
-        raise ValueError(f"{path}: cannot read records [{start}, {stop}): {_reason(e)}") from e
+        raise DataError(f"{path}: cannot read records [{start}, {stop}): {_reason(e)}") from e
     if len(records) != stop - start:
-        raise ValueError(
+        raise DataError(
             f"{path}: expected records [{start}, {stop}), read {len(records)}; the file "
             "changed while the job ran."
         )
@@ -312,17 +313,17 @@ def join_fragments(
     """A batch from its `(position in batch, rows)` fragments, in any order.
 
     Raises:
-      ValueError: the fragments do not tile the batch exactly (a bug or a
+      DataError: the fragments do not tile the batch exactly (a bug or a
         file that changed between the passes).
     """
     ordered = sorted(fragments, key=lambda fragment: fragment[0])
     position = 0
     for offset, rows in ordered:
         if offset != position:
-            raise ValueError(f"Batch {batch}: fragments leave rows [{position}, {offset}) out.")
+            raise DataError(f"Batch {batch}: fragments leave rows [{position}, {offset}) out.")
         position += rows.num_rows
     if position != batch_size:
-        raise ValueError(f"Batch {batch}: fragments hold {position} rows, not {batch_size}.")
+        raise DataError(f"Batch {batch}: fragments hold {position} rows, not {batch_size}.")
     return concat_rows([rows for _, rows in ordered])
 
 

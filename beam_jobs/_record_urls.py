@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 import fsspec
 
 import pipelines
+from pipelines import DataError
 
 _RECORD_SUFFIXES = (".array_record", ".tfrecord")
 
@@ -36,7 +37,7 @@ def list_files(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[st
     files it matches are returned as URLs.
 
     Raises:
-      ValueError: an entry matches no record file, or a file is listed twice.
+      DataError: an entry matches no record file, or a file is listed twice.
     """
     entries = [data] if isinstance(data, str | os.PathLike) else list(data)
     if not any(is_url(os.fspath(entry)) for entry in entries):
@@ -48,7 +49,7 @@ def list_files(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[st
     ]
     repeated = sorted(path for path, count in collections.Counter(files).items() if count > 1)
     if repeated:
-        raise ValueError(f"Record files {repeated} are listed twice in {entries}.")
+        raise DataError(f"Record files {repeated} are listed twice in {entries}.")
     return files
 
 
@@ -60,14 +61,14 @@ def _expand_url(entry: str) -> list[str]:
         else:
             found = [p for p in fs.glob(path) if fs.isfile(p)]
     except (OSError, ValueError) as e:
-        raise ValueError(f"Cannot list {entry!r}: {e}") from e
+        raise DataError(f"Cannot list {entry!r}: {e}") from e
     matches = sorted(
         p
         for p in found
         if p.endswith(_RECORD_SUFFIXES) and not posixpath.basename(p).startswith(".")
     )
     if not matches:
-        raise ValueError(f"No record files ({', '.join(_RECORD_SUFFIXES)}) match {entry!r}.")
+        raise DataError(f"No record files ({', '.join(_RECORD_SUFFIXES)}) match {entry!r}.")
     return [fs.unstrip_protocol(p) for p in matches]
 
 
@@ -76,7 +77,7 @@ def local_copy(path: str) -> Iterator[str]:
     """Yields a local path of the file: `path` itself, or a fetched copy of a URL's file.
 
     Raises:
-      ValueError: the URL's file cannot be fetched (named).
+      DataError: the URL's file cannot be fetched (named).
     """
     if not is_url(path):
         yield path
@@ -88,5 +89,5 @@ def local_copy(path: str) -> Iterator[str]:
             with fsspec.open(path, "rb") as source, open(local, "wb") as target:
                 shutil.copyfileobj(source, target)
         except OSError as e:
-            raise ValueError(f"{path}: cannot fetch the record file: {e}") from e
+            raise DataError(f"{path}: cannot fetch the record file: {e}") from e
         yield local

@@ -41,6 +41,7 @@ from apache_beam.runners.portability.fn_api_runner import fn_runner
 from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
 import embedding
+import pipelines
 from beam_jobs._job_config import FdoJobConfig
 from beam_jobs._record_urls import list_files
 from beam_jobs._transforms import (
@@ -122,7 +123,7 @@ def run_fdo_job(
       The paths, the stats and the counters.
 
     Raises:
-      ValueError: no record files, a corrupt file, or fewer good records than
+      DataError: no record files, a corrupt file, or fewer good records than
         one global batch.
     """
     files = list_files(data)
@@ -143,7 +144,7 @@ def run_fdo_job(
     )
     if not FileSystems.exists(stats_path):
         good = counters.get("records", 0) - counters.get("bad_records", 0)
-        raise ValueError(
+        raise pipelines.DataError(
             f"{data}: {good} good records (of {counters.get('records', 0)}) make no whole "
             f"global batch of {config.geometry.global_batch_size}; no stats were written."
         )

@@ -37,7 +37,24 @@ device placement).
     and little memory with the step, so its stall is about the least that
     input work of that CPU time costs the step on this machine: the
     pipeline's stall against it tells the pipeline's own overhead from the
-    machine's contention.
+    machine's contention;
+  * device-bound stall: the same interleaved loop for the configured worker
+    count with the step replaced by a sleep of the measured in-memory step
+    time (`device_bound_stall_fraction`). On an accelerator the host's cores
+    are free while the device computes; here the step's device threads take
+    the cores the input work needs, so this loop tells whether the pipeline
+    keeps up with a step that leaves the host alone;
+  * against tf.data and jax-tpu-embedding (`_tfdata_jte_peer.py`, the optional
+    extra `bench`): the Grain path's host batches against the tf.data
+    pipeline a user of jax-tpu-embedding would build over the same records
+    (as TFRecord), with the same specs and limits, at each of
+    `--peer-workers` Grain workers and tf.data parallel calls, in
+    `--peer-rounds` alternated rounds. Both pipelines spread their work over
+    threads or processes as they see fit, so batches per CPU second (of this
+    process and its workers together) is the figure per core; the median
+    over rounds is set against the peer's, and
+    `ratio_vs_tfdata_jte_per_core` is the least of these ratios over the
+    worker counts. Batches/s per round are printed too.
 
 The machine's core count and load average are printed with the figures: the
 workers, the step and anything else running share its cores.
@@ -48,6 +65,7 @@ taking CPU from the step. The last line printed is one JSON object.
 
     python benchmarks/input_pipeline.py [--batches 40] [--loop-workers 0,1,2]
         [--pairs 16] [--block-steps 24] [--cpu-load-fractions 0.25,0.5,1]
+        [--peer-workers 1,2] [--peer-rounds 5]
 """
 
 from __future__ import annotations
@@ -59,6 +77,7 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import itertools  # noqa: E402
@@ -66,14 +85,19 @@ import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+import unittest.mock  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import _tfdata_jte_peer  # noqa: E402
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy.stats  # noqa: E402
+from _alternating import alternating  # noqa: E402
 
 import beam_jobs  # noqa: E402
 import pipelines  # noqa: E402
@@ -91,20 +115,21 @@ IN_MEMORY_BATCHES = 64
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def demo_inputs(config: RunConfig, directory: str) -> tuple[str, Path]:
-    """The demo's training set and FDO stats, written under `directory`."""
-    pipelines.write_synthetic_dataset(
+def demo_inputs(config: RunConfig, directory: str) -> tuple[str, list[str], Path]:
+    """The demo's training set (ArrayRecord directory, TFRecord files of the
+    same records) and FDO stats, written under `directory`."""
+    files = pipelines.write_synthetic_dataset(
         config.synthetic,
         directory,
         num_examples=config.dataset.examples,
         seed=config.seed,
         num_shards=config.dataset.shards,
-        formats=("arrayrecord",),
+        formats=("arrayrecord", "tfrecord"),
     )
     data = os.path.join(directory, "arrayrecord")
     fdo_dir = Path(directory) / "fdo"
     beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(fdo_dir))
-    return data, fdo_dir
+    return data, files["tfrecord"], fdo_dir
 
 
 def with_training(config: RunConfig, **changes) -> RunConfig:
@@ -146,20 +171,91 @@ def measure_throughput(run: _train._Run, data: str, workers: int, batches: int) 
         next(iterator)
         first = time.perf_counter()
         # Batches the workers buffered while the first one was awaited come free.
-        for _ in range(workers * pipelines.GrainOptions().worker_buffer_size):
-            next(iterator)
-        wall, cpu, children = time.perf_counter(), time.process_time(), children_cpu_s()
-        for _ in range(batches):
-            next(iterator)
-        seconds = time.perf_counter() - wall
-        main_ms = (time.process_time() - cpu) / batches * 1e3
-        workers_ms = (children_cpu_s() - children) / batches * 1e3
+        figures = timed_batches(
+            iterator, workers * pipelines.GrainOptions().worker_buffer_size, batches
+        )
+    return {**figures, "startup_s": first - start}
+
+
+def timed_batches(iterator: Iterator, skipped: int, batches: int) -> dict:
+    """Batches/s and CPU ms per batch (this process and its workers) of
+    `batches` batches of `iterator`, after `skipped` batches."""
+    for _ in range(skipped):
+        next(iterator)
+    wall, cpu, children = time.perf_counter(), time.process_time(), children_cpu_s()
+    for _ in range(batches):
+        next(iterator)
+    seconds = time.perf_counter() - wall
+    main_ms = (time.process_time() - cpu) / batches * 1e3
+    workers_ms = (children_cpu_s() - children) / batches * 1e3
     return {
         "batches_per_s": batches / seconds,
         "cpu_ms_per_batch": main_ms + workers_ms,
         "main_cpu_ms_per_batch": main_ms,
-        "startup_s": first - start,
     }
+
+
+def peer_throughput(
+    run: _train._Run, tfrecord_files: list[str], peer_specs: dict, calls: int, batches: int
+) -> dict:
+    """`timed_batches` of the tf.data + jax-tpu-embedding pipeline at `calls` parallel calls."""
+    config = run.config
+    pre = config.preprocessing
+    iterator = _tfdata_jte_peer.tfdata_jte_batches(
+        tfrecord_files,
+        config.synthetic.feature_layout(),
+        peer_specs,
+        host_batch=config.global_batch_size // jax.process_count(),
+        local_devices=run.mesh.local_mesh.size,
+        global_devices=run.mesh.size,
+        num_sc_per_device=config.mesh.partitions_per_device,
+        allow_id_dropping=pre.allow_id_dropping,
+        enable_minibatching=pre.enable_minibatching,
+        parallel_calls=calls,
+        seed=config.seed,
+    )
+    next(iterator)  # builds the pipeline
+    # As for the Grain workers: what was prepared meanwhile comes free.
+    return timed_batches(iterator, calls + _tfdata_jte_peer.PREFETCH, batches)
+
+
+def compare_with_peer(
+    run: _train._Run,
+    data: str,
+    tfrecord_files: list[str],
+    workers: list[int],
+    rounds: int,
+    batches: int,
+) -> dict | None:
+    """Per worker count: both pipelines' medians and spreads over alternated rounds.
+
+    None when jax-tpu-embedding is not installed.
+    """
+    peer_specs = _tfdata_jte_peer.peer_feature_specs(
+        run.specs, run.mesh.size, run.config.mesh.partitions_per_device
+    )
+    if peer_specs is None:
+        return None
+    setups = [(path, count) for count in workers for path in ("ours", "peer")]
+    runs: dict[tuple[str, int], list[dict]] = {setup: [] for setup in setups}
+    for repeat, (path, count) in alternating(setups, rounds):
+        if path == "ours":
+            figures = measure_throughput(run, data, count, batches)
+        else:
+            figures = peer_throughput(run, tfrecord_files, peer_specs, count, batches)
+        runs[path, count].append(figures)
+        print(f"round {repeat}, {path}, {count} workers: {figures}", flush=True)
+    out = {}
+    for (path, count), figures in runs.items():
+        per_cpu_s = [1e3 / f["cpu_ms_per_batch"] for f in figures]
+        rates = [f["batches_per_s"] for f in figures]
+        out.setdefault(count, {})[path] = {
+            "batches_per_cpu_s": statistics.median(per_cpu_s),
+            "batches_per_cpu_s_range": (min(per_cpu_s), max(per_cpu_s)),
+            "batches_per_s": statistics.median(rates),
+            "batches_per_s_range": (min(rates), max(rates)),
+        }
+    return out
 
 
 class _Timed(Iterator):
@@ -289,7 +385,7 @@ def measure_stall(
     host_cpu_ms: float,
     load_fractions: list[str],
 ) -> tuple[dict, float]:
-    """Per treatment (a worker count or a load fraction): its `paired_figures`.
+    """Per treatment (a worker count, a load fraction, or "device_bound"): its `paired_figures`.
 
     Also returns the placement's CPU ms per batch.
 
@@ -308,15 +404,21 @@ def measure_stall(
     placement_ms = (time.process_time() - cpu) / len(host_batches) * 1e3
     cpu_loads = [(text, float(text) * (host_cpu_ms + placement_ms)) for text in load_fractions]
     loop = functools.partial(interleaved_loop, run, in_memory=in_memory, block_steps=block_steps)
-    loop(itertools.cycle(in_memory), pairs=0)  # compiles
-    figures = {}
-    for workers in loop_workers:
+    # Compiles, then steps from memory only: the step time the sleep stands for.
+    seconds, _ = loop(itertools.cycle(in_memory), pairs=1)
+    step_s = float(np.nanmedian(seconds[1:, BLOCK_SETTLE_STEPS:]))
+
+    def live(workers: int) -> dict:
         epochs = epochs_for(run.config, (pairs + 1) * block_steps)
         config = with_training(run.config, workers=workers, epochs=epochs)
         with _train._iterator(
             config, run.options, run.specs, run.mesh, data, training=True
         ) as batches:
-            figures[workers] = paired_figures(*loop(batches, pairs=pairs))
+            return paired_figures(*loop(batches, pairs=pairs))
+
+    figures = {}
+    for workers in loop_workers:
+        figures[workers] = live(workers)
         print(f"{workers} workers in the loop: {figures[workers]}", flush=True)
     for name, cpu_ms in cpu_loads:
         with CpuLoad(cpu_ms) as load:
@@ -324,7 +426,28 @@ def measure_stall(
             figures[name] = paired_figures(*loop(treated, pairs=pairs))
         figures[name]["burned_cpu_ms_per_batch"] = load.burned_s / load.requests * 1e3
         print(f"CPU load {name}: {figures[name]}", flush=True)
+    if run.pipelined:
+        with step_replaced_by_sleep(step_s):
+            figures["device_bound"] = {
+                **live(run.config.training.workers),
+                "sleep_ms": step_s * 1e3,
+            }
+        print(f"device-bound: {figures['device_bound']}", flush=True)
+    else:
+        print("device-bound loop skipped: it replaces the pipelined step only", flush=True)
     return figures, placement_ms
+
+
+@contextlib.contextmanager
+def step_replaced_by_sleep(step_s: float):
+    """The training loop's pipelined step call sleeps `step_s` instead, as a
+    host waits for an accelerator, the host's cores left free."""
+
+    def sleep(*args) -> None:
+        time.sleep(step_s)
+
+    with unittest.mock.patch.object(_train, "_pipelined_call", sleep):
+        yield
 
 
 def epochs_for(config: RunConfig, batches: int) -> int:
@@ -347,6 +470,13 @@ def main() -> None:
     )
     parser.add_argument("--block-steps", type=int, default=24)
     parser.add_argument(
+        "--peer-workers",
+        default="1,2",
+        help="Grain workers and tf.data parallel calls compared with tf.data + "
+        "jax-tpu-embedding; empty: no comparison",
+    )
+    parser.add_argument("--peer-rounds", type=int, default=5)
+    parser.add_argument(
         "--cpu-load-fractions",
         default="0.25,0.5,1",
         help="CPU loads of the contention loops, as fractions of the 0-worker pipeline's CPU "
@@ -368,13 +498,17 @@ def main() -> None:
         parser.error("--cpu-load-fractions needs 0 in --throughput-workers.")
     config = load_config(args.config)
     with tempfile.TemporaryDirectory() as directory:
-        data, fdo_dir = demo_inputs(config, directory)
+        data, tfrecord_files, fdo_dir = demo_inputs(config, directory)
         options = _train.TrainOptions(data=data, fdo_dir=fdo_dir, progress=False)
         run = _train._Run(config, options, _train.make_mesh())
         throughput = {}
         for workers in _counts(args.throughput_workers):
             throughput[workers] = measure_throughput(run, data, workers, args.batches)
             print(f"{workers} workers: {throughput[workers]}", flush=True)
+        peer_workers = _counts(args.peer_workers) if args.peer_workers else []
+        against_peer = peer_workers and compare_with_peer(
+            run, data, tfrecord_files, peer_workers, args.peer_rounds, args.batches
+        )
         # Placement is measured with the in-memory batches: scale the loads there.
         host_ms = throughput[0]["cpu_ms_per_batch"] if fractions else 0.0
         loops, placement_ms = measure_stall(
@@ -387,6 +521,7 @@ def main() -> None:
             fractions,
         )
     loads = {fraction: loops.pop(fraction) for fraction in fractions}
+    device_bound = loops.pop("device_bound", None)
     configured = config.training.workers
     headline = loops.get(configured, next(iter(loops.values())))
     result = {
@@ -417,10 +552,55 @@ def main() -> None:
         "cpu_load_ms_per_batch": _rounded(loads, "burned_cpu_ms_per_batch", 2),
         "cpu_load_stall_fraction": _rounded(loads, "input_stall_fraction", 3),
         "cpu_load_stall_ci95": _rounded(loads, "input_stall_fraction_ci95", 3),
+        **device_bound_figures(device_bound),
+        **peer_figures(against_peer, peer_workers),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))
+
+
+def device_bound_figures(figures: dict | None) -> dict:
+    """The JSON keys of the loop whose step is a sleep (empty if it did not run)."""
+    if figures is None:
+        return {}
+    return {
+        "device_bound_sleep_ms": round(figures["sleep_ms"], 1),
+        "device_bound_in_memory_step_ms": round(figures["in_memory_step_ms"], 1),
+        "device_bound_stall_fraction": round(figures["input_stall_fraction"], 3),
+        "device_bound_stall_median": round(figures["input_stall_fraction_median"], 3),
+        "device_bound_stall_ci95": [round(b, 3) for b in figures["input_stall_fraction_ci95"]],
+    }
+
+
+def peer_figures(against_peer: dict | None, workers: list[int]) -> dict:
+    """The JSON keys of the comparison with tf.data + jax-tpu-embedding."""
+    if not workers:
+        return {}
+    if against_peer is None:
+        return {"tfdata_jte": "not installed (make bench-env)"}
+    ratios = {
+        count: paths["ours"]["batches_per_cpu_s"] / paths["peer"]["batches_per_cpu_s"]
+        for count, paths in against_peer.items()
+    }
+    by_path = {
+        path: {count: paths[path] for count, paths in against_peer.items()}
+        for path in ("ours", "peer")
+    }
+    return {
+        "grain_batches_per_cpu_s": _rounded(by_path["ours"], "batches_per_cpu_s", 2),
+        "grain_batches_per_cpu_s_range": _rounded(by_path["ours"], "batches_per_cpu_s_range", 2),
+        "tfdata_jte_batches_per_cpu_s": _rounded(by_path["peer"], "batches_per_cpu_s", 2),
+        "tfdata_jte_batches_per_cpu_s_range": _rounded(
+            by_path["peer"], "batches_per_cpu_s_range", 2
+        ),
+        "grain_batches_per_s": _rounded(by_path["ours"], "batches_per_s", 1),
+        "tfdata_jte_batches_per_s": _rounded(by_path["peer"], "batches_per_s", 1),
+        "ratio_vs_tfdata_jte_per_core_by_workers": {
+            count: round(ratio, 3) for count, ratio in ratios.items()
+        },
+        "ratio_vs_tfdata_jte_per_core": round(min(ratios.values()), 3),
+    }
 
 
 def idle_cpu_ms_per_step(figures: dict) -> float:

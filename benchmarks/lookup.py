@@ -17,7 +17,10 @@ update, waited for:
     FBGEMM's table-batched backward, world 1 (`lookup_torchrec_peer.py`, run
     with `.venv-torchrec`, which `make bench-torchrec` creates). Before it
     times anything the peer checks one step of each optimizer against float64
-    numpy; a peer that fails its check stops the benchmark.
+    numpy; a peer that fails its check stops the benchmark. It runs with
+    `THP_MEM_ALLOC_ENABLE=1`, so that its tables, like ours, sit on
+    transparent huge pages (`--no-peer-huge-pages` leaves them on 4 KiB
+    pages).
 
 The three processes read the same batches from one `.npz` file. For each
 optimizer, after each has set it up, they run `--steps` steps per turn, in
@@ -95,8 +98,11 @@ def start_runners(
         argv += ["--partitions-per-device", str(args.partitions_per_device)]
         runners[name] = stack.enter_context(LineProcess(name, argv, env=_device_env(devices)))
     argv = [str(args.torchrec_python), str(BENCHMARKS / "lookup_torchrec_peer.py"), str(batches)]
+    # Our update kernels keep the tables on huge pages; PyTorch does the same
+    # for its CPU allocations of 2 MiB and more under THP_MEM_ALLOC_ENABLE=1.
+    peer_env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1" if args.peer_huge_pages else "0")
     runners["torchrec"] = stack.enter_context(
-        LineProcess("torchrec", argv + ["--shape", shape.to_json()])
+        LineProcess("torchrec", argv + ["--shape", shape.to_json()], env=peer_env)
     )
     return runners
 
@@ -255,6 +261,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--partitions-per-device", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
+    parser.add_argument(
+        "--no-peer-huge-pages",
+        dest="peer_huge_pages",
+        action="store_false",
+        help="run TorchRec without THP_MEM_ALLOC_ENABLE=1 (its tables on 4 KiB pages)",
+    )
     parser.add_argument("--torchrec-python", type=Path, default=TORCHREC_PYTHON)
     return parser.parse_args()
 
@@ -272,6 +284,7 @@ def main() -> None:
     figures = batch_figures(shape, batches)
     figures.update(rounds=args.rounds, steps_per_round=args.steps)
     figures.update(partitions_per_device=args.partitions_per_device)
+    figures.update(torchrec_huge_pages=args.peer_huge_pages)
     setups = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         path = Path(tmp) / "batches.npz"

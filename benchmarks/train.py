@@ -1,5 +1,11 @@
 """Training throughput on the demo config: SC/TC pipelined vs sequential, and the whole demo.
 
+With `--pipeshard STAGES:MICROBATCHES:SCHEDULE` (e.g. `2:4:1f1b`) a third
+mode joins the alternation: pipelined training with the dense tower as a
+pipeshard pipeline (`model.pipeshard`), reported as `pipeshard` with its
+ratio to the pipelined mode. On CPU its stages share the same cores, so it
+measures what the host-driven pipeline costs, not a speed-up.
+
 Both modes train the same steps on the same data in one run, `--repeats`
 times each, in the order sequential, pipelined, pipelined, sequential, ...:
 the load of a shared machine drifts within a run, and alternating the modes
@@ -12,12 +18,13 @@ the two boundary calls too. On 8 virtual CPU devices sharing 2 cores the
 sparse and dense stages cannot run side by side, so pipelining cannot gain
 here; the figure to watch is that it costs little.
 
-    python benchmarks/train.py [--steps 120] [--repeats 2] [--skip-demo]
+    python benchmarks/train.py [--steps 120] [--repeats 2] [--skip-demo] [--pipeshard 2:4:1f1b]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -32,6 +39,7 @@ from _alternating import add_repeats_argument, alternating  # noqa: E402
 
 import sparseflow  # noqa: E402
 from sparseflow import _demo, _train  # noqa: E402
+from sparseflow._tower_config import PipeshardConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP_CALLS = 5
@@ -62,6 +70,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     add_repeats_argument(parser)
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument(
+        "--pipeshard",
+        type=_pipeshard,
+        help="also train with model.pipeshard STAGES:MICROBATCHES:SCHEDULE",
+    )
     args = parser.parse_args()
     # The demo's data where `make demo` writes it: runs/demo under the checkout.
     config = sparseflow.load_config(sparseflow.shipped_config("demo"), relative_to=REPO)
@@ -76,22 +89,33 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
     }
-    runs: dict[bool, list[_train.TrainResult]] = {False: [], True: []}
-    for _, pipelined in alternating((False, True), args.repeats):
-        runs[pipelined].append(
+    modes = {"sequential": config, "pipelined": config}
+    if args.pipeshard is not None:
+        model = dataclasses.replace(config.model, pipeshard=args.pipeshard)
+        modes["pipeshard"] = dataclasses.replace(config, model=model)
+        figures["pipeshard_config"] = dataclasses.asdict(args.pipeshard) | {
+            "schedule": args.pipeshard.schedule.value
+        }
+    runs: dict[str, list[_train.TrainResult]] = {mode: [] for mode in modes}
+    for _, mode in alternating(tuple(modes), args.repeats):
+        runs[mode].append(
             _train.train(
-                config,
+                modes[mode],
                 _train.TrainOptions(
                     data=data,
                     steps=args.steps,
-                    pipelined=pipelined,
+                    pipelined=mode != "sequential",
                     fdo_dir=fdo_dir,
                     progress=False,
                 ),
             )
         )
-    figures["sequential"] = _steady(runs[False], pipelined=False)
-    figures["pipelined"] = _steady(runs[True], pipelined=True)
+    for mode in modes:
+        figures[mode] = _steady(runs[mode], pipelined=mode != "sequential")
+    if args.pipeshard is not None:
+        figures["pipeshard_ratio_vs_pipelined"] = round(
+            figures["pipeshard"]["steps_per_s"] / figures["pipelined"]["steps_per_s"], 3
+        )
     sequential, pipelined = figures["sequential"], figures["pipelined"]
     figures["ratio_vs_sequential"] = round(pipelined["steps_per_s"] / sequential["steps_per_s"], 3)
     figures["ratio_vs_sequential_over_run"] = round(
@@ -99,7 +123,7 @@ def main() -> None:
     )
     figures["ratio_vs_sequential_by_repeat"] = [
         round(_median_call([sequential_run]) / _median_call([pipelined_run]), 3)
-        for sequential_run, pipelined_run in zip(runs[False], runs[True], strict=True)
+        for sequential_run, pipelined_run in zip(runs["sequential"], runs["pipelined"], strict=True)
     ]
     if not args.skip_demo:
         began = time.perf_counter()
@@ -113,6 +137,19 @@ def main() -> None:
     figures["cpu_count"] = os.cpu_count()
     figures["load_average_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(figures))
+
+
+def _pipeshard(text: str) -> PipeshardConfig:
+    """`STAGES:MICROBATCHES:SCHEDULE` as a `model.pipeshard` section."""
+    try:
+        stages, microbatches, schedule = text.split(":")
+        return PipeshardConfig(
+            stages=int(stages), microbatches=int(microbatches), schedule=schedule
+        )
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"expected STAGES:MICROBATCHES:SCHEDULE such as 2:4:1f1b, got {text!r} ({e})"
+        ) from e
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Embedding specs, host preprocessing into the sharded layout, lookup and updates.
 
-This package imports none of sparseflow's other packages.
+This package imports none of sparseflow's other packages. `jte_compat` holds
+jax-tpu-embedding's names and signatures as aliases (docs/switching.md).
 """
 
-from embedding import initializers
+from embedding import initializers, jte_compat
 from embedding._buffers import aligned_empty
+from embedding._errors import SparseflowError
 from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_client import (
     FdoClient,
@@ -112,6 +114,7 @@ __all__ = [
     "SGDSlots",
     "SparseDenseMatmulInput",
     "SparseDenseMatmulInputStats",
+    "SparseflowError",
     "StackFdoStats",
     "StackLimits",
     "StackedTableSpec",
@@ -131,6 +134,7 @@ __all__ = [
     "get_stacked_table_specs",
     "init_embedding_variables",
     "initializers",
+    "jte_compat",
     "limit_raises_path",
     "load_fdo_stats",
     "load_limit_raises",

@@ -78,6 +78,7 @@ from typing import Any
 import numpy as np
 
 from embedding._buffers import INT32_MAX
+from embedding._errors import SparseflowError
 from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
 from embedding._fdo_invariants import BATCH_MAX_PERCENTILES, check_stack
@@ -100,7 +101,7 @@ FDO_STATS_VERSION = 1
 _MAX_HISTOGRAM_CELLS = 2**27
 
 
-class FdoStatsError(ValueError):
+class FdoStatsError(SparseflowError, ValueError):
     """A stats file (or directory) that is missing, corrupt or for another run.
 
     Attributes:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from embedding._errors import SparseflowError
+
 INT64_MAX = 2**63 - 1
 
 
-class SchemaError(ValueError):
+class SchemaError(SparseflowError, ValueError):
     """An entry of the wrong type, size or value.
 
     Args:

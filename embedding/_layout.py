@@ -1,7 +1,8 @@
 """The per-device CSR layout of one stacked table (docs/design.md section 2).
 
 Entries of the whole host batch of one stacked table are packed into 64-bit
-keys (slot, partition, local id, sample) and sorted once; merging, limits and
+keys (slot, partition, local id, sample) and sorted once (a radix sort of the
+fields not already in order); merging, limits and
 the buffer scatter are one compiled pass over the sorted keys, and the stats
 and row pointers are numpy over the small per-(slot, partition) counts.
 """
@@ -13,8 +14,9 @@ from typing import NamedTuple
 import numpy as np
 
 from embedding._buffers import BufferPool, aligned_empty
-from embedding._layout_kernel import pack_feature_keys, scan_sorted_entries
-from embedding._minibatch import add_minibatch_to_keys, count_buckets, split_mask
+from embedding._errors import SparseflowError
+from embedding._layout_kernel import pack_feature_keys, scan_sorted_entries, stable_sort_by_bits
+from embedding._minibatch import BUCKET_BITS, add_minibatch_to_keys, count_buckets, split_mask
 
 ALIGNMENT = 8
 _NO_GAINS = np.ones(1, np.float32)
@@ -89,7 +91,7 @@ class StackLayout(NamedTuple):
     num_minibatches: int = 1
 
 
-class LimitBreachError(ValueError):
+class LimitBreachError(SparseflowError, ValueError):
     """A batch exceeds a table's limits or buffer and dropping is off.
 
     Attributes:
@@ -236,9 +238,13 @@ def sort_stack(members: list[StackMember], geometry: LayoutGeometry) -> SortedSt
             packed[base : base + m.ids.size],
         )
         base += m.ids.size
-    # Sorting the packed keys carries each entry's original index along; it is
-    # several times faster than an argsort.
-    packed.sort()
+    # Sorting the packed keys carries each entry's original index along. The
+    # keys are packed in index order, and within one slot the sample grows
+    # with the index (features follow each other, rows within a feature), so
+    # a stable sort by (slot, partition, local id) alone orders whole keys.
+    low = index_bits + sample_bits
+    slot_bits = _bits(g.num_slots - 1)
+    packed = stable_sort_by_bits(packed, low, low + local_bits + log_n + slot_bits)
     return SortedStack(packed, index_bits, _member_gains(members), local_bits, sample_bits)
 
 
@@ -279,6 +285,7 @@ def _member_gains(members) -> np.ndarray | None:
 
 def _with_minibatches(stack: SortedStack, geometry: LayoutGeometry, minibatches: np.ndarray):
     """The stack's keys re-keyed as (slot, minibatch, partition, ...) and sorted."""
+    log_n = _log2(geometry.num_partitions)
     packed = np.empty_like(stack.packed)
     add_minibatch_to_keys(
         stack.packed,
@@ -286,12 +293,14 @@ def _with_minibatches(stack: SortedStack, geometry: LayoutGeometry, minibatches:
         stack.group_shift,
         stack.sample_bits,
         stack.local_bits,
-        _log2(geometry.num_partitions),
+        log_n,
         minibatches,
         packed,
     )
-    packed.sort()
-    return packed
+    # The input is sorted, so within one (slot, minibatch) the rest of the
+    # key is in order already: a stable sort by those two fields suffices.
+    low = stack.index_bits + stack.group_shift + log_n
+    return stable_sort_by_bits(packed, low, low + BUCKET_BITS + _bits(geometry.num_slots - 1))
 
 
 def lay_out_sorted(

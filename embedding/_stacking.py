@@ -90,6 +90,30 @@ def _is_prepared(feature: FeatureSpec) -> bool:
     return feature.table_spec.is_stacked() and feature.id_transformation is not None
 
 
+def own_stack(table: TableSpec, num_partitions: int, total_sample_count: int) -> TableSpec:
+    """`table` alone in a stack of its name, padded for `num_partitions` partitions."""
+    table = _unstacked(table)
+    padded_vocab = round_up(table.vocabulary_size, 8 * num_partitions)
+    padded_dim = round_up(table.embedding_dim, 8)
+    setting = TableSettingInStack(
+        stack_name=table.name,
+        padded_vocab_size=padded_vocab,
+        padded_embedding_dim=padded_dim,
+    )
+    stacked = StackedTableSpec(
+        stack_name=table.name,
+        stack_vocab_size=padded_vocab,
+        stack_embedding_dim=padded_dim,
+        optimizer=table.optimizer,
+        combiner=table.combiner,
+        total_sample_count=total_sample_count,
+        max_ids_per_partition=table.max_ids_per_partition,
+        max_unique_ids_per_partition=table.max_unique_ids_per_partition,
+        suggested_coo_buffer_size_per_device=table.suggested_coo_buffer_size_per_device,
+    )
+    return dataclasses.replace(table, stacked_table_spec=stacked, setting_in_stack=setting)
+
+
 def prepare_feature_specs_for_training(
     feature_specs: Nested, global_device_count: int, num_sc_per_device: int
 ) -> Nested:
@@ -114,26 +138,7 @@ def prepare_feature_specs_for_training(
     new: dict[str, FeatureSpec] = {}
     for features in by_table.values():
         features = sorted(features, key=lambda f: f.name)
-        table = _unstacked(features[0].table_spec)
-        padded_vocab = round_up(table.vocabulary_size, 8 * n)
-        padded_dim = round_up(table.embedding_dim, 8)
-        setting = TableSettingInStack(
-            stack_name=table.name,
-            padded_vocab_size=padded_vocab,
-            padded_embedding_dim=padded_dim,
-        )
-        stacked = StackedTableSpec(
-            stack_name=table.name,
-            stack_vocab_size=padded_vocab,
-            stack_embedding_dim=padded_dim,
-            optimizer=table.optimizer,
-            combiner=table.combiner,
-            total_sample_count=sum(_samples(f) for f in features),
-            max_ids_per_partition=table.max_ids_per_partition,
-            max_unique_ids_per_partition=table.max_unique_ids_per_partition,
-            suggested_coo_buffer_size_per_device=table.suggested_coo_buffer_size_per_device,
-        )
-        table = dataclasses.replace(table, stacked_table_spec=stacked, setting_in_stack=setting)
+        table = own_stack(features[0].table_spec, n, sum(_samples(f) for f in features))
         row_offset = 0
         for feature in features:
             new[feature.name] = dataclasses.replace(

@@ -7,14 +7,20 @@ SC/TC step pipelining (`step` and its helpers): the sparse update and lookup
 of one batch beside the dense forward/backward pass of the previous one.
 
 `parallel.pipeshard`: pipeline stages of the dense model on sub-meshes,
-data parallel inside each (Alpa-style pipeshard execution).
+data parallel inside each (Alpa-style pipeshard execution). It is imported
+on first use (`parallel.pipeshard`, `from parallel import pipeshard`): it
+brings optax and matplotlib, which the input pipeline and its Grain workers,
+using only the all-reduce, never need.
 """
 
-from parallel import allreduce, pipeshard
+import importlib
+
+from parallel import allreduce
 from parallel._sc_tc import (
     get_initial_state,
     get_pipeline_state_sharding,
     get_pipeline_train_steps,
+    host_driven_step,
     is_output_valid,
     jit_step,
     step,
@@ -42,9 +48,18 @@ __all__ = [
     "get_initial_state",
     "get_pipeline_state_sharding",
     "get_pipeline_train_steps",
+    "host_driven_step",
     "is_output_valid",
     "jit_step",
     "pipeshard",
     "step",
     "unstacked_tc_function",
 ]
+
+_LAZY_SUBMODULES = frozenset({"pipeshard"})
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

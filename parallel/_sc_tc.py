@@ -176,7 +176,10 @@ def get_initial_state(
     """The pipeline state before call 0: zeros shaped like what the stages pass on.
 
     Traces (does not run) `sc_fwd_function` and `tc_function` to learn the
-    shapes of activations, gradients, aux values and output. Every leaf is a
+    shapes of activations, gradients, aux values and output; a TC stage that
+    cannot be traced (driven from the host, e.g.
+    `pipeshard.pipeshard_tc_function`) has a `shape_function` attribute, a
+    traceable stage with the same outputs, which is traced instead. Every leaf is a
     buffer of its own, so the state can be donated.
 
     Args:
@@ -213,8 +216,10 @@ def get_initial_state(
     )
     activations = _zeros(activations, sparse_input_sharding)
     sc_fwd_aux = _zeros(sc_fwd_aux, aux_sharding)
+    # A host-driven TC stage cannot be traced; it gives a traceable twin for the shapes.
+    traceable = getattr(tc_function, "shape_function", tc_function)
     tc = jax.eval_shape(
-        lambda *args: _run_tc(tc_function, *args), activations, dense, tc_train_state, sc_fwd_aux
+        lambda *args: _run_tc(traceable, *args), activations, dense, tc_train_state, sc_fwd_aux
     )
     _check_train_state(tc_train_state, tc.train_state)
     return PipelineState(
@@ -373,6 +378,12 @@ def jit_step(
         donate_argnames=("tc_train_state", "embedding_variables", "consumed") if donate else (),
     )
 
+    return _runner(compute, (sc_fwd_function, tc_function, sc_bwd_function))
+
+
+def _runner(compute: Callable[..., _Computed], stages: tuple) -> Callable[..., tuple]:
+    """`run(pipeline_input, ..., *, fake_tc_step, gradient_multiplier=None)` over `compute`."""
+
     def run(
         pipeline_input: CurrentStepInput,
         tc_train_state: Any,
@@ -388,12 +399,84 @@ def jit_step(
             tc_train_state,
             embedding_variables,
             pipeline_state,
-            (sc_fwd_function, tc_function, sc_bwd_function),
+            stages,
             fake_tc_step,
             gradient_multiplier,
         )
 
     return run
+
+
+def host_driven_step(
+    sc_fwd_function: ScFwdStageFun,
+    tc_function: TcStageFun,
+    sc_bwd_function: ScBwdStageFun,
+) -> Callable[..., tuple[Any, Any, Any, Any, AnyPipelineState]]:
+    """`step` for a TC stage driven from the host, e.g. a pipeshard pipeline.
+
+    The sparse stages (update of batch i-2, lookup of batch i) run as one
+    compiled program; once it has finished, the host calls `tc_function` on
+    batch i-1, which may dispatch programs of its own (a pipeshard pipeline
+    runs one per stage and microbatch task). Waiting in between keeps one
+    program with collectives in flight at a time, as XLA:CPU needs. Results
+    equal `step`'s.
+
+    Args:
+      sc_fwd_function: the SC forward stage.
+      tc_function: the TC stage, called eagerly.
+      sc_bwd_function: the SC backward stage.
+
+    Returns:
+      `run(pipeline_input, tc_train_state, embedding_variables,
+      pipeline_state, *, fake_tc_step)` with the results of `step`; its
+      outputs are ready when it returns. A `gradient_multiplier` is
+      refused (ValueError): boundary calls skip the TC stage instead.
+    """
+    sparse = jax.jit(
+        _compute,
+        static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step"),
+    )
+
+    def compute(pipeline_input, tc_train_state, embedding_variables, consumed, kept, *stages,
+                fake_tc_step, gradient_multiplier):  # fmt: skip
+        if gradient_multiplier is not None:
+            raise ValueError(
+                "host_driven_step takes no gradient_multiplier: it runs the TC stage from the "
+                "host only where it is real; pass fake_tc_step=not is_output_valid(t, n)."
+            )
+        # The TC stage is left out of the program (fake), then run on the host.
+        computed = jax.block_until_ready(
+            sparse(
+                pipeline_input,
+                tc_train_state,
+                embedding_variables,
+                consumed,
+                kept,
+                *stages,
+                fake_tc_step=True,
+                gradient_multiplier=None,
+            )
+        )
+        if fake_tc_step:
+            return computed
+        last = _merge_state(consumed, kept).last_step_inputs
+        tc = jax.block_until_ready(
+            _run_tc(
+                tc_function,
+                last.embedding_activations,
+                last.dense_inputs,
+                tc_train_state,
+                last.sc_fwd_aux,
+            )
+        )
+        return computed._replace(
+            output=tc.output,
+            train_state=tc.train_state,
+            embedding_gradients=tc.embedding_gradients,
+            tc_aux=tc.tc_aux,
+        )
+
+    return _runner(compute, (sc_fwd_function, tc_function, sc_bwd_function))
 
 
 class _Computed(NamedTuple):

@@ -3,19 +3,27 @@
 Records are serialized `tf.train.Example`s in ArrayRecord or TFRecord files;
 `parse_examples` turns a batch of them into ragged ids (`embedding.RaggedIds`),
 dense features and labels.
+
+`make_grain_iterator` and `make_tfdata_iterator` are the one-call paths;
+`ParseRecords` and `LayOutBatch` (Grain transforms) and `TFDataPreprocess`
+(a tf.data map) put the same parsing and preprocessing into a pipeline of
+one's own.
 """
 
 from pipelines._batching import BatchingConfig, BatchPlan
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
+from pipelines._errors import DataError
 from pipelines._grain import (
     GrainOptions,
     WorkerPriority,
     batch_layout_stats,
     batch_record_indices,
     grain_batch_plan,
+    init_grain_worker,
     make_grain_iterator,
     num_records,
 )
+from pipelines._grain_transforms import LayOutBatch, ParseRecords
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput, PackedLayout, pack, packed_shape
 from pipelines._parse import (
@@ -36,6 +44,7 @@ from pipelines._records import list_record_files, read_records
 from pipelines._stats import BatchReport, PipelineStats
 from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synthetic_dataset
 from pipelines._tfdata import make_tfdata_iterator
+from pipelines._tfdata_map import TFDataPreprocess
 
 __all__ = [
     "BadRecordError",
@@ -43,6 +52,7 @@ __all__ = [
     "BatchReport",
     "BatchPlan",
     "BatchingConfig",
+    "DataError",
     "DeviceBatch",
     "DeviceIterator",
     "FeatureLayout",
@@ -51,17 +61,21 @@ __all__ = [
     "HostBatch",
     "HostIterator",
     "InputRecordError",
+    "LayOutBatch",
     "PackedInput",
     "PackedLayout",
+    "ParseRecords",
     "ParsedBatch",
     "PipelineStats",
     "PreprocessConfig",
     "SyntheticDataset",
     "SyntheticFeature",
+    "TFDataPreprocess",
     "WorkerPriority",
     "batch_layout_stats",
     "batch_record_indices",
     "grain_batch_plan",
+    "init_grain_worker",
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",

@@ -129,9 +129,19 @@ class GrainShuffle:
         return grain_epoch_positions(self._num_records, self._seed, epoch, records)
 
 
-def _init_worker(worker_index: int, worker_count: int, *, priority: WorkerPriority) -> None:
-    """Grain's `worker_init_fn`: sets the worker's priority, joins its agreement group."""
+def init_grain_worker(
+    worker_index: int, worker_count: int, *, priority: WorkerPriority = WorkerPriority.IDLE
+) -> None:
+    """Grain's `worker_init_fn` for workers that lay batches out (`mp_prefetch`).
+
+    Sets the worker's CPU priority and makes it join agreement group
+    `worker_index` (the ports of `agreement.for_worker(worker_index)`), so
+    that worker w of every host agrees on the minibatching of the batches
+    `b = w, w + W, ...` it receives; `LayOutBatch` checks that it receives
+    those.
+    """
     global _worker
+    priority = checked_enum(WorkerPriority, priority, "priority")
     if priority is WorkerPriority.IDLE:
         _idle_priority()
     # The worker's imports (numpy, jax, TensorFlow, Grain: half a million
@@ -156,6 +166,23 @@ def _idle_priority() -> None:
             continue
 
 
+def check_worker_batch(batch_number: int) -> None:
+    """Checks that batch `batch_number` reached the worker whose group agrees on it.
+
+    Raises:
+      RuntimeError: in a worker set up by `init_grain_worker`, a batch of
+        another worker (the hosts' workers would wait on different batches).
+    """
+    if _worker is not None and batch_number % _worker[1] != _worker[0]:
+        # The agreement groups rely on Grain's slicing of the batches.
+        raise RuntimeError(
+            f"Batch {batch_number} reached worker {_worker[0]} of {_worker[1]}, not "
+            f"worker {batch_number % _worker[1]}: the hosts' workers would disagree. "
+            "Lay batches out in a dataset whose index is the batch number (a MapDataset "
+            "up to mp_prefetch, no filter or shuffle of whole batches after it)."
+        )
+
+
 class _PrepareBatch:
     """The map of the Grain dataset: batch number -> `HostBatch`."""
 
@@ -173,12 +200,7 @@ class _PrepareBatch:
 
     def __call__(self, batch_number: int) -> HostBatch:
         batch_number = int(batch_number)
-        if _worker is not None and batch_number % _worker[1] != _worker[0]:
-            # The agreement groups rely on Grain's slicing of the batches.
-            raise RuntimeError(
-                f"Batch {batch_number} reached worker {_worker[0]} of {_worker[1]}, not "
-                f"worker {batch_number % _worker[1]}: the hosts' workers would disagree."
-            )
+        check_worker_batch(batch_number)
         start = time.perf_counter()
         records = self._reader.read(self._plan.record_indices(batch_number))
         return self._stage(
@@ -318,7 +340,7 @@ def grain_dataset(
                 num_workers=options.worker_count,
                 per_worker_buffer_size=options.worker_buffer_size,
             ),
-            worker_init_fn=functools.partial(_init_worker, priority=options.worker_priority),
+            worker_init_fn=functools.partial(init_grain_worker, priority=options.worker_priority),
         )
     return dataset, plan, stage, buffers
 
@@ -376,18 +398,13 @@ def _shared_buffers(
     """The workers' shared buffers, or None (no workers, none asked for, or no room)."""
     if not options.worker_count or not options.shared_buffers:
         return None
-    shapes = embedding.preprocessed_input_shapes(
-        preprocess.feature_specs,
-        preprocess.local_device_count,
-        preprocess.global_device_count,
-        num_sc_per_device=preprocess.num_sc_per_device,
-        enable_minibatching=preprocess.enable_minibatching,
-    )
     try:
         return SharedBatchBuffers(
             workers=options.worker_count,
             slots=options.shared_buffers,
-            shape=packed_shape(shapes, preprocess.local_device_count),
+            shape=packed_shape(
+                preprocess.preprocessed_input_shapes(), preprocess.local_device_count
+            ),
         )
     except OSError as error:
         _log.warning(

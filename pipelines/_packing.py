@@ -100,7 +100,16 @@ def packed_shape(preprocessed: embedding.PreprocessedInput, devices: int) -> tup
     Raises:
       ValueError: as `pack`.
     """
-    return devices, _width(_packed_layout(*jax.tree.flatten(preprocessed), devices))
+    return devices, _width(packed_layout(preprocessed, devices))
+
+
+def packed_layout(preprocessed: embedding.PreprocessedInput, devices: int) -> PackedLayout:
+    """The `PackedLayout` of a batch, from its arrays or their shapes (as `packed_shape`).
+
+    Raises:
+      ValueError: as `pack`.
+    """
+    return _packed_layout(*jax.tree.flatten(preprocessed), devices)
 
 
 def pack(

@@ -24,12 +24,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import tensorflow as tf
 from google.protobuf import message as protobuf_message
 
 from embedding import RaggedIds
+from pipelines._errors import DataError
 from pipelines._example_wire import FLOAT_LIST, INT64_LIST, WireSchema, read_examples
 from pipelines._records import tf_error_reason
+from pipelines._tensorflow import tf
 
 DENSE_KEY = "dense"
 LABEL_KEY = "label"
@@ -108,7 +109,7 @@ class ParsedBatch(NamedTuple):
     labels: np.ndarray
 
 
-class BadRecordError(ValueError):
+class BadRecordError(DataError):
     """A record that does not match the `FeatureLayout`.
 
     Attributes:
@@ -214,6 +215,12 @@ def _float_feature(values: list[float]) -> tf.train.Feature:
 
 
 def _as_record_list(records: Sequence[bytes]) -> list[bytes]:
+    if isinstance(records, np.ndarray) and records.dtype.kind == "S":
+        raise TypeError(
+            f"The records arrived as a fixed-width bytes array (dtype {records.dtype}), "
+            "which drops each record's trailing zero bytes; pass a list or an object "
+            "array (with Grain, batch records with `batch(n, batch_fn=list)`)."
+        )
     records = list(records)
     for index, record in enumerate(records):
         if not isinstance(record, bytes):

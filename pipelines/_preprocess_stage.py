@@ -27,6 +27,7 @@ import numpy as np
 import embedding
 from parallel import allreduce
 from pipelines._batching import BatchingConfig, BatchPlan, RecordReader
+from pipelines._errors import DataError
 from pipelines._packing import PackedInput, pack
 from pipelines._parse import (
     BadRecordError,
@@ -49,7 +50,7 @@ class BadRecordPolicy(str, enum.Enum):
     """Raise `InputRecordError` naming the record, its file and the reason."""
 
 
-class InputRecordError(ValueError):
+class InputRecordError(DataError):
     """A bad record met with `on_bad_record="raise"`, or too few good records to fill a batch."""
 
 
@@ -158,6 +159,16 @@ class PreprocessConfig:
                 "agree on each batch's split."
             )
 
+    def preprocessed_input_shapes(self) -> embedding.PreprocessedInput:
+        """The layout's shapes and dtypes (`embedding.preprocessed_input_shapes`)."""
+        return embedding.preprocessed_input_shapes(
+            self.feature_specs,
+            self.local_device_count,
+            self.global_device_count,
+            num_sc_per_device=self.num_sc_per_device,
+            enable_minibatching=self.enable_minibatching,
+        )
+
     @property
     def global_batch_size(self) -> int:
         """The global batch of the feature specs (they must all agree)."""
@@ -224,6 +235,35 @@ class HostBatch(NamedTuple):
         return self.sparse.unpack()
 
 
+class LaidOutBatch(NamedTuple):
+    """A host batch's layout and what laying it out counted.
+
+    Attributes:
+      sparse: the layout, packed.
+      stats: the preprocessing's statistics.
+      num_minibatches: minibatches of the batch (1 without minibatching).
+    """
+
+    sparse: PackedInput
+    stats: embedding.SparseDenseMatmulInputStats
+    num_minibatches: int
+
+    def report(
+        self, *, records: int, bad_records: int, read_s: float, parse_s: float, preprocess_s: float
+    ) -> BatchReport:
+        """The batch's `BatchReport`, with the counts and seconds of the stages before."""
+        return BatchReport(
+            records=records,
+            bad_records=bad_records,
+            read_s=read_s,
+            parse_s=parse_s,
+            preprocess_s=preprocess_s,
+            dropped_ids={name: int(n) for name, n in self.stats.id_drop_counters.items()},
+            invalid_ids={name: int(n) for name, n in self.stats.invalid_id_counters.items()},
+            num_minibatches=self.num_minibatches,
+        )
+
+
 class PreprocessStage:
     """Parses and preprocesses host batches (picklable; see `PreprocessConfig`)."""
 
@@ -271,20 +311,42 @@ class PreprocessStage:
         start = time.perf_counter()
         parsed, bad_records, fill = self._parse(batch_number, records, plan, reader)
         parsed_at = time.perf_counter()
-        preprocessed, stats = self._preprocess(batch_number, parsed, plan)
-        devices = self._config.local_device_count
-        sparse = pack(preprocessed, devices, out=None if allocate is None else allocate())
-        report = BatchReport(
+        laid_out = self.lay_out(
+            batch_number, parsed, where=_where(batch_number, plan), allocate=allocate
+        )
+        report = laid_out.report(
             records=len(records) + fill.records,
             bad_records=bad_records,
             read_s=read_s + fill.read_s,
             parse_s=parsed_at - start - fill.read_s,
             preprocess_s=time.perf_counter() - parsed_at,
-            dropped_ids={name: int(count) for name, count in stats.id_drop_counters.items()},
-            invalid_ids={name: int(count) for name, count in stats.invalid_id_counters.items()},
-            num_minibatches=int(preprocessed.num_minibatches[0]),
         )
-        return HostBatch(batch_number, sparse, parsed.dense, parsed.labels, report)
+        return HostBatch(batch_number, laid_out.sparse, parsed.dense, parsed.labels, report)
+
+    def lay_out(
+        self,
+        batch_number: int,
+        parsed: ParsedBatch,
+        *,
+        where: str,
+        allocate: Callable[[], np.ndarray | None] | None = None,
+    ) -> LaidOutBatch:
+        """Lays a parsed host batch out for the local devices, packed.
+
+        Args:
+          batch_number: the global batch (the key of the hosts' agreement on
+            minibatching).
+          parsed: its `host_batch` rows.
+          where: names the batch in error messages.
+          allocate: as for `__call__`.
+
+        Raises:
+          HostAgreementError, ValueError: as `__call__`.
+        """
+        preprocessed, stats = self._preprocess(batch_number, parsed, where)
+        devices = self._config.local_device_count
+        sparse = pack(preprocessed, devices, out=None if allocate is None else allocate())
+        return LaidOutBatch(sparse, stats, int(preprocessed.num_minibatches[0]))
 
     def close(self) -> None:
         """Closes this process's all-reduce node, if the stage created one."""
@@ -320,7 +382,7 @@ class PreprocessStage:
         fill = _fill(good, len(records), batch_number, plan, reader, layout)
         return parse_examples(good, layout), len(problems), fill
 
-    def _preprocess(self, batch_number: int, parsed: ParsedBatch, plan: BatchPlan):
+    def _preprocess(self, batch_number: int, parsed: ParsedBatch, where: str):
         config = self._config
         names = list(config.feature_specs)
         try:
@@ -341,12 +403,12 @@ class PreprocessStage:
             # Raised in a worker process, the error travels to the main one by
             # pickling: this one carries its message only.
             raise HostAgreementError(
-                f"{_where(batch_number, plan)}: the hosts could not agree on minibatching: "
+                f"{where}: the hosts could not agree on minibatching: "
                 f"{error}. Every host must run the same batches: the same dataset size, "
                 "global batch, epochs and Grain worker count."
             ) from error
         except ValueError as error:
-            error.add_note(f"In {_where(batch_number, plan)}.")
+            error.add_note(f"In {where}.")
             if isinstance(error, embedding.LimitBreachError):
                 error.batch_number = batch_number
             raise
@@ -360,7 +422,7 @@ class PreprocessStage:
         over the limits is counted as it is, before anything is dropped.
         """
         parsed, _, _ = self._parse(batch_number, records, plan, reader)
-        return self._preprocess(batch_number, parsed, plan)[1]
+        return self._preprocess(batch_number, parsed, _where(batch_number, plan))[1]
 
 
 class _Fill(NamedTuple):

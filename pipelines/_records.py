@@ -17,8 +17,10 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
-import tensorflow as tf
 from array_record.python import array_record_module
+
+from pipelines._errors import DataError, RecordFileNotFoundError
+from pipelines._tensorflow import tf
 
 _log = logging.getLogger(__name__)
 
@@ -56,18 +58,18 @@ def record_format(path: str | os.PathLike) -> RecordFormat:
         if path.endswith(fmt.extension):
             return fmt
     known = ", ".join(f"*{fmt.extension}" for fmt in RecordFormat)
-    raise ValueError(f"{path!r} is not a record file: its name must end in one of {known}.")
+    raise DataError(f"{path!r} is not a record file: its name must end in one of {known}.")
 
 
 def require_record_format(paths: Sequence[str], fmt: RecordFormat, reader: str, other: str) -> None:
-    """Raises ValueError naming the first of `paths` that is not a `fmt` file.
+    """Raises DataError naming the first of `paths` that is not a `fmt` file.
 
     `reader` names the path reading `fmt` files, `other` the function that
     reads the rest.
     """
     for path in paths:
         if record_format(path) is not fmt:
-            raise ValueError(
+            raise DataError(
                 f"The {reader} path reads {_FORMAT_NAMES[fmt]} files "
                 f"(*{fmt.extension}); {path} is not one. Read it with {other}."
             )
@@ -84,16 +86,16 @@ def list_record_files(data: PathOrPaths) -> list[str]:
       The files, each entry's matches sorted, entries in the given order.
 
     Raises:
-      ValueError: an entry matches nothing, a matched file is not a record
+      DataError: an entry matches nothing, a matched file is not a record
         file, or a file is listed twice.
     """
     entries = [data] if isinstance(data, str | os.PathLike) else list(data)
     if not entries:
-        raise ValueError("No record files given: pass a file, a directory or a glob pattern.")
+        raise DataError("No record files given: pass a file, a directory or a glob pattern.")
     files = [path for entry in entries for path in _expand(os.fspath(entry))]
     repeated = sorted(path for path, count in collections.Counter(files).items() if count > 1)
     if repeated:
-        raise ValueError(f"Record files {repeated} are listed twice in {entries}.")
+        raise DataError(f"Record files {repeated} are listed twice in {entries}.")
     return files
 
 
@@ -102,7 +104,7 @@ def _expand(entry: str) -> list[str]:
         return _record_files_in(entry)
     matches = [path for path in sorted(glob.glob(entry)) if os.path.isfile(path)]
     if not matches:
-        raise ValueError(f"No files match {entry!r}.")
+        raise DataError(f"No files match {entry!r}.")
     for path in matches:
         record_format(path)
     return matches
@@ -117,7 +119,7 @@ def _record_files_in(directory: str) -> list[str]:
     subdirectories = [path for path in paths if os.path.isdir(path) and _has_record_files(path)]
     hint = f" Its subdirectories {subdirectories} do: pass one of them." if subdirectories else ""
     extensions = ", ".join(f"*{fmt.extension}" for fmt in RecordFormat)
-    raise ValueError(f"Directory {directory!r} holds no record files ({extensions}).{hint}")
+    raise DataError(f"Directory {directory!r} holds no record files ({extensions}).{hint}")
 
 
 def _is_record_file(path: str) -> bool:
@@ -136,14 +138,14 @@ def read_records(paths: PathOrPaths) -> Iterator[bytes]:
         for directories and patterns).
 
     Raises:
-      FileNotFoundError: a file does not exist.
-      ValueError: a file is not a readable record file of its format (named).
+      RecordFileNotFoundError: a file does not exist.
+      DataError: a file is not a readable record file of its format (named).
     """
     paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     for path in map(os.fspath, paths):
         fmt = record_format(path)
         if not os.path.isfile(path):
-            raise FileNotFoundError(errno.ENOENT, "Record file not found", path)
+            raise RecordFileNotFoundError(errno.ENOENT, "Record file not found", path)
         if fmt is RecordFormat.ARRAY_RECORD:
             yield from _read_array_record(path)
         else:
@@ -161,12 +163,12 @@ def _read_array_record(path: str) -> Iterator[bytes]:
             for start in range(0, count, _READ_BATCH):
                 yield from reader.read(start, min(count, start + _READ_BATCH))
     except RuntimeError as error:
-        raise ValueError(f"{path}: corrupt or truncated ArrayRecord file: {error}") from error
+        raise DataError(f"{path}: corrupt or truncated ArrayRecord file: {error}") from error
     finally:
         failure = _close(reader)
     if failure or not opened:
         reason = failure or "the reader opens it but gives no reason"
-        raise ValueError(f"{path}: corrupt or truncated ArrayRecord file: {reason}")
+        raise DataError(f"{path}: corrupt or truncated ArrayRecord file: {reason}")
 
 
 def _close(reader: array_record_module.ArrayRecordReader) -> str | None:
@@ -185,7 +187,7 @@ def _read_tfrecord(path: str) -> Iterator[bytes]:
             batch = next(batches, None)
         except tf.errors.OpError as error:
             reason = tf_error_reason(error)
-            raise ValueError(f"{path}: corrupt or truncated TFRecord file: {reason}") from error
+            raise DataError(f"{path}: corrupt or truncated TFRecord file: {reason}") from error
         if batch is None:
             return
         yield from batch.numpy().tolist()

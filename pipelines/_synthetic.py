@@ -39,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from embedding import RaggedIds
+from pipelines._errors import DataError
 from pipelines._parse import FeatureLayout, ParsedBatch, serialize_examples
 from pipelines._records import RecordFileWriter, RecordFormat
 
@@ -246,7 +247,7 @@ def _prepare_directories(out_dir: str, paths: dict[RecordFormat, list[str]]) -> 
             if name.startswith("part-") and name.endswith(fmt.extension) and name not in expected
         )
         if stale:
-            raise ValueError(
+            raise DataError(
                 f"{directory} already holds shards of another write ({stale[:3]}...); "
                 "remove them or choose another output directory."
             )

@@ -24,8 +24,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import tensorflow as tf
-
 from pipelines._batching import BatchingConfig, BatchPlan, RecordFiles
 from pipelines._host_iterator import HostIterator
 from pipelines._preprocess_stage import (
@@ -42,6 +40,7 @@ from pipelines._records import (
     tf_error_reason,
 )
 from pipelines._stats import PipelineStats
+from pipelines._tensorflow import tf
 
 _COUNT_BATCH = 4096
 _PREFETCH = 2

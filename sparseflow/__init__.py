@@ -14,6 +14,7 @@ from sparseflow._config import (
     RunConfig,
     load_config,
 )
+from sparseflow._errors import SparseflowError, UsageError
 from sparseflow._shipped_configs import shipped_config, shipped_config_names
 from sparseflow._version import __version__
 
@@ -23,6 +24,8 @@ __all__ = [
     "MeshConfig",
     "PreprocessingConfig",
     "RunConfig",
+    "SparseflowError",
+    "UsageError",
     "__version__",
     "load_config",
     "shipped_config",

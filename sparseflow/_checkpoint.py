@@ -17,7 +17,6 @@ would walk through every step and restart the run from scratch.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import re
@@ -26,10 +25,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import grain
 import jax
 import orbax.checkpoint as ocp
 
+from embedding import SparseflowError
 from sparseflow import _hosts, _run_identity
+from sparseflow._errors import UsageError
 
 _log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ _log = logging.getLogger(__name__)
 _SET_ASIDE = re.compile(r"^(\d+)\.replaced$")
 # Where orbax writes a step before renaming it to the step's number.
 _TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
+# The item of the input positions, and one process's file in it (Grain's naming).
+_INPUT = "input"
+_POSITION_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
 
 
 class Snapshot(NamedTuple):
@@ -45,8 +50,9 @@ class Snapshot(NamedTuple):
     Attributes:
       step: pipeline calls (or sequential steps) done.
       arrays: the pytree of arrays (dense state, tables, pipeline state).
-      iterator_state: this process's input iterator position (opaque bytes);
-        a checkpoint holds every process's.
+      iterator_state: this process's input iterator position (UTF-8 bytes,
+        e.g. the JSON of `HostIterator.get_state`); a checkpoint holds every
+        process's.
       metadata: small JSON-able facts (losses so far, the run's identity, ...).
     """
 
@@ -60,7 +66,7 @@ class CheckpointError(RuntimeError):
     """No checkpoint in the directory could be restored, or the processes disagree on them."""
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(SparseflowError, ValueError):
     """The checkpoint was written by another run, or holds other arrays than this run's."""
 
 
@@ -68,7 +74,7 @@ def check_fresh(directory: str | Path) -> None:
     """Checks that a run starting afresh may write its checkpoints into `directory`.
 
     Raises:
-      ValueError: `directory` holds anything (another run's checkpoints would
+      UsageError: `directory` holds anything (another run's checkpoints would
         mix with this run's); the message says how to proceed.
     """
     directory = Path(directory)
@@ -77,7 +83,7 @@ def check_fresh(directory: str | Path) -> None:
     entries = sorted(entry.name for entry in directory.iterdir())
     if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise ValueError(
+        raise UsageError(
             f"Checkpoint folder {directory} is not empty ({shown}): it holds an earlier "
             "run's checkpoints. Pass --resume to continue that run, or give this run an "
             "empty or new --checkpoint-dir (delete the folder first if its run is no "
@@ -113,6 +119,7 @@ class Checkpoints:
         # `_hosts` agrees on the outcome instead.
         self._arrays_handler = ocp.StandardCheckpointHandler()
         self._metadata_handler = ocp.JsonCheckpointHandler()
+        self._input_handler = grain.checkpoint.CheckpointHandler()
 
     def save(self, snapshot: Snapshot) -> None:
         """Writes `snapshot` (blocking until it is complete on disk).
@@ -120,12 +127,11 @@ class Checkpoints:
         A step already there (one a resumed run fell back past, as damaged)
         is set aside, and deleted only once its replacement is complete.
         """
-        # Only process 0 writes the metadata; each process reads its own position.
-        states = _hosts.gathered_bytes(snapshot.iterator_state)
+        # Only process 0 writes the metadata; each process writes its own position.
+        _check_utf8(snapshot.iterator_state)
         metadata = dict(
             snapshot.metadata,
             run=self._run,
-            iterator_states=[base64.b64encode(state).decode("ascii") for state in states],
             arrays_layout=_run_identity.array_layout(snapshot.arrays),
         )
         set_aside = None
@@ -136,6 +142,7 @@ class Checkpoints:
             args=ocp.args.Composite(
                 arrays=ocp.args.StandardSave(snapshot.arrays),
                 metadata=ocp.args.JsonSave(metadata),
+                input=grain.checkpoint.CheckpointSave(_Position(snapshot.iterator_state)),
             ),
             force=True,
         )
@@ -202,7 +209,10 @@ class Checkpoints:
           CheckpointMismatchError: it is of another run, on any process.
         """
         metadata, damage = self._metadata(step)
-        mismatch = None if metadata is None else _mismatch(metadata, like, self._run)
+        step_directory = self._directory / str(step)
+        mismatch = (
+            None if metadata is None else _mismatch(metadata, like, self._run, step_directory)
+        )
         if not _hosts.all_true(mismatch is None):
             raise CheckpointMismatchError(
                 f"The checkpoint at step {step} in {self._directory} "
@@ -212,14 +222,17 @@ class Checkpoints:
             )
         if metadata is None:
             return None, damage
+        position = _Position()
         try:
             restored = self._arrays_handler.restore(
-                self._directory / str(step) / "arrays",
-                args=ocp.args.StandardRestore(_abstract(like)),
+                step_directory / "arrays", args=ocp.args.StandardRestore(_abstract(like))
+            )
+            self._input_handler.restore(
+                step_directory / _INPUT, args=grain.checkpoint.CheckpointRestore(position)
             )
         except Exception as e:  # noqa: BLE001 - the layout matches: a failure means damaged files
             return None, str(e)
-        state = base64.b64decode(metadata.pop("iterator_states")[jax.process_index()])
+        state = position.get_state()
         # Orbax restores scalars onto one device; place every array as in `like`.
         arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored, like)
         return Snapshot(step, arrays, state, metadata), None
@@ -236,10 +249,58 @@ class Checkpoints:
     def close(self) -> None:
         self._manager.close()
         self._arrays_handler.close()
+        self._input_handler.close()
 
 
-def _mismatch(metadata: dict, like: Any, run: dict | None) -> str | None:
-    """How the checkpoint's run or arrays differ from this run's, or None."""
+class _Position:
+    """One process's input position, as Grain's checkpoint handler saves and
+    restores an iterator: `get_state() -> bytes`, `set_state(bytes)`.
+
+    The handler gets this holder, not the live iterator: a step's position is
+    the one after the step's own batch (`DeviceIterator` keeps it with the
+    batch), while the iterator itself has prefetched further.
+    """
+
+    def __init__(self, state: bytes = b""):
+        self._state = state
+
+    def get_state(self) -> bytes:
+        return self._state
+
+    def set_state(self, state: bytes) -> None:
+        self._state = state
+
+    def start_prefetch(self) -> None:
+        """Nothing to prefetch: the position is handed to the iterator later."""
+
+
+def _check_utf8(state: bytes) -> None:
+    try:
+        state.decode()
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            "The input iterator state must be UTF-8 (Grain's checkpoint handler stores it as "
+            f"text), e.g. the JSON of HostIterator.get_state(); got {state[:60]!r}."
+        ) from error
+
+
+def _input_processes(step_directory: Path) -> set[int]:
+    """The process counts of the input positions saved in a step."""
+    found = set()
+    for entry in (step_directory / _INPUT).glob("process_*-of-*.json"):
+        match = _POSITION_FILE.match(entry.name)
+        if match:
+            found.add(int(match.group(2)))
+    return found
+
+
+def _mismatch(metadata: dict, like: Any, run: dict | None, step_directory: Path) -> str | None:
+    """How the checkpoint's run, arrays or processes differ from this run's, or None."""
+    if "iterator_states" in metadata:
+        return (
+            "was written by an earlier sparseflow (its input positions are inside the "
+            "metadata, not saved by Grain's checkpoint handler); this version cannot resume it"
+        )
     if run is not None:
         if metadata.get("run") is None:
             return "records no run identity (it was written by an earlier sparseflow)"
@@ -251,10 +312,11 @@ def _mismatch(metadata: dict, like: Any, run: dict | None) -> str | None:
     )
     if found:
         return f"holds other arrays than this run: {_run_identity.describe(found)}"
-    positions = len(metadata.get("iterator_states", []))
-    if jax.process_index() >= positions:
-        process = jax.process_index()
-        return f"holds the input positions of {positions} processes, not of process {process}"
+    counts = _input_processes(step_directory)
+    if counts and jax.process_count() not in counts:
+        return (
+            f"holds the input positions of {sorted(counts)} processes, not of {jax.process_count()}"
+        )
     return None
 
 

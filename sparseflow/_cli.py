@@ -16,30 +16,34 @@
 `benchmark`); a shipped config's relative paths (its dataset under
 `runs/<name>/data`) start from the working directory.
 
-A user error (a bad config, a missing file, a bad record, input the
-preprocessing rejects) prints one `error: ...` line and exits with status 2;
-anything else is a bug and keeps its traceback.
+A user error (a `SparseflowError`: a bad config, a missing or bad data file,
+a corrupt FDO stats file, options that do not go together) prints one
+`error: ...` line and exits with status 2. Any other exception is a bug: it
+prints one `internal error: ...` line and exits with status 1, or, with
+`--verbose`, raises with its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pipelines
-from sparseflow import _demo, _fdo_command, _launch, _stats_report, _train_command
+from embedding import SparseflowError
+from sparseflow import _demo, _fdo_command, _launch, _logging, _stats_report, _train_command
 from sparseflow._arguments import non_negative_int, positive_int, subcommand
 from sparseflow._config import RunConfig, load_config
+from sparseflow._errors import UsageError
 from sparseflow._shipped_configs import shipped_config
 from sparseflow._version import __version__
 
 DEFAULT_CONFIG = "demo"
 _DEFAULT_CONFIG_HELP = "a YAML file or a shipped config's name (default: demo)"
 _USER_ERROR_EXIT = 2
+_INTERNAL_ERROR_EXIT = 1
 
 
 def load_cli_config(config: str | os.PathLike) -> RunConfig:
@@ -49,7 +53,7 @@ def load_cli_config(config: str | os.PathLike) -> RunConfig:
     paths start from the working directory instead of its own folder.
 
     Raises:
-      ValueError: a bare name that no shipped config has (the message lists
+      UsageError: a bare name that no shipped config has (the message lists
         them); ConfigError for a file, as `load_config`.
     """
     text = os.fspath(config)
@@ -58,8 +62,19 @@ def load_cli_config(config: str | os.PathLike) -> RunConfig:
     return load_config(shipped_config(text), relative_to=Path.cwd())
 
 
+_RECORD_FORMATS = ("arrayrecord", "tfrecord")
+
+
 def _formats(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    """An argparse type: comma-separated record formats, each known and named once."""
+    formats = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(set(formats) - set(_RECORD_FORMATS))
+    if unknown or not formats or len(set(formats)) != len(formats):
+        raise argparse.ArgumentTypeError(
+            f"must name each of {', '.join(_RECORD_FORMATS)} at most once, and at least one; "
+            f"got {text!r}"
+        )
+    return formats
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument(
         "--formats",
         type=_formats,
-        default=("arrayrecord", "tfrecord"),
+        default=_RECORD_FORMATS,
         help="comma-separated record formats (default: arrayrecord,tfrecord)",
     )
     make.set_defaults(run=_make_data)
@@ -148,12 +163,18 @@ def _parser() -> argparse.ArgumentParser:
 def _make_data(args: argparse.Namespace, config: RunConfig) -> None:
     out = args.out or config.dataset.dir
     examples = args.examples or config.dataset.examples
+    shards = args.shards or config.dataset.shards
+    if shards > examples:
+        raise UsageError(
+            f"{shards} shards cannot each hold one of {examples} examples; lower --shards "
+            "(or dataset.shards) or raise --examples."
+        )
     files = pipelines.write_synthetic_dataset(
         config.synthetic,
         out,
         num_examples=examples,
         seed=config.seed if args.seed is None else args.seed,
-        num_shards=args.shards or config.dataset.shards,
+        num_shards=shards,
         formats=args.formats,
     )
     print(f"Wrote {examples:,} synthetic examples to {out}:")
@@ -183,21 +204,23 @@ def _run_stats(args: argparse.Namespace, config: RunConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (2 on a user error)."""
+    """Runs the command line; returns the exit status (2 on a user error, 1 on a bug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.argv = argv
-    # force: Beam's import already gave the root logger a handler (a warning
-    # it logs calls basicConfig), which would otherwise keep its level and format.
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
+    _logging.configure(verbose=args.verbose)
     try:
         args.run(args, load_cli_config(args.config))
-    # ConfigError, BadRecordError and the preprocessing's errors are ValueErrors.
-    except (ValueError, FileNotFoundError) as error:
+    except SparseflowError as error:
         print(f"error: {error}", file=sys.stderr)
         return _USER_ERROR_EXIT
+    except Exception as error:
+        if args.verbose:
+            raise
+        print(
+            f"internal error: {type(error).__name__}: {error}\n"
+            "This is a bug in sparseflow; rerun with --verbose for its traceback.",
+            file=sys.stderr,
+        )
+        return _INTERNAL_ERROR_EXIT
     return 0

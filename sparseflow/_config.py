@@ -32,6 +32,7 @@ import pipelines
 from embedding import initializers
 from parallel import allreduce
 from sparseflow._model import ModelConfig
+from sparseflow._tower_config import read_pipeshard, read_tower
 
 _OPTIMIZERS: dict[str, type[embedding.OptimizerSpec]] = {
     "sgd": embedding.SGDOptimizerSpec,
@@ -49,7 +50,7 @@ _INITIALIZERS: dict[str, type] = {
 _DEFAULT_ZIPF_EXPONENT = 1.1
 
 
-class ConfigError(ValueError):
+class ConfigError(embedding.SparseflowError, ValueError):
     """A config file that cannot be used; the message names the file and entry.
 
     Attributes:
@@ -453,7 +454,7 @@ def _widths(node: _Node, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _model(node: _Node) -> ModelConfig:
-    _mapping(node, (), ("bottom_mlp", "top_mlp", "learning_rate"))
+    _mapping(node, (), ("bottom_mlp", "top_mlp", "learning_rate", "tower", "pipeshard"))
     defaults = ModelConfig()
     return _build(
         node,
@@ -462,6 +463,10 @@ def _model(node: _Node) -> ModelConfig:
             bottom_mlp=_widths(node, "bottom_mlp", defaults.bottom_mlp),
             top_mlp=_widths(node, "top_mlp", defaults.top_mlp),
             learning_rate=_get(node, "learning_rate", "number", defaults.learning_rate),
+            tower=read_tower(node.child("tower")) if "tower" in node.value else defaults.tower,
+            pipeshard=read_pipeshard(node.child("pipeshard"))
+            if "pipeshard" in node.value
+            else None,
         ),
     )
 

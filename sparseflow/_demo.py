@@ -4,10 +4,13 @@
 2. the offline FDO job (Apache Beam, in-process runner) over the training set;
 3. pipelined training with the FDO limits, streaming batches through Grain,
    with a progress bar, TensorBoard metrics and orbax checkpoints;
-4. AUC on the held-out split, and a summary.
+4. AUC on the held-out split, and a summary;
+5. two pictures: the FDO spread per partition (`fdo.png`) and the loss and
+   AUC against the step (`training.png`, from the TensorBoard scalars).
 
 Artifacts go to the demo's own run folder next to the dataset,
-`<dataset.dir>/../demo_run/{fdo,checkpoints,metrics}`, which every demo run
+`<dataset.dir>/../demo_run/{fdo,checkpoints,metrics,fdo.png,training.png}`
+(`runs/demo/demo_run` for the shipped demo), which every demo run
 empties first (it does not resume); a folder of that name the demo did not
 create is refused (`_demo_folder`).
 """
@@ -19,18 +22,21 @@ from pathlib import Path
 
 import beam_jobs
 import embedding
-from sparseflow import _demo_folder, _fdo_command, _stats_report, _train
+from sparseflow import _demo_folder, _fdo_command, _run_images, _stats_report, _train
 from sparseflow._config import RunConfig
+from sparseflow._errors import UsageError
 from sparseflow._train_command import summary
 
 RUN_DIR_NAME = "demo_run"
+FDO_IMAGE = "fdo.png"
+TRAINING_IMAGE = "training.png"
 
 
 def run_dir(config: RunConfig) -> Path:
     """The demo's run folder: `demo_run` beside the dataset."""
     folder = config.dataset.dir.parent / RUN_DIR_NAME
     if folder == config.dataset.dir:
-        raise ValueError(
+        raise UsageError(
             f"dataset.dir {config.dataset.dir} is the demo's run folder, which every demo "
             "run empties; give the dataset another directory name."
         )
@@ -41,7 +47,7 @@ def claim_run_dir(config: RunConfig) -> Path:
     """The demo's run folder, emptied of an earlier demo run's outputs (or created).
 
     Raises:
-      ValueError: a folder of that name exists that the demo did not create.
+      UsageError: a folder of that name exists that the demo did not create.
     """
     return _demo_folder.claim(run_dir(config))
 
@@ -58,7 +64,7 @@ def ensure_data(config: RunConfig) -> None:
 
 
 def run_fdo(config: RunConfig, data: str, folder: Path) -> tuple[Path, str]:
-    """Runs the FDO job into `folder/fdo`; returns that directory and a summary.
+    """Runs the FDO job into `folder/fdo`, draws `folder/fdo.png`; returns the directory, a summary.
 
     `folder` comes from `claim_run_dir`: training merges every stats file of
     the directory (element-wise max), so stats of an earlier run, perhaps of
@@ -66,6 +72,7 @@ def run_fdo(config: RunConfig, data: str, folder: Path) -> tuple[Path, str]:
     """
     out = folder / "fdo"
     result = beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(out))
+    _run_images.draw_fdo(config, result.stats, folder / FDO_IMAGE)
     limits = embedding.fdo_limits(result.stats, headroom=config.training.fdo_headroom)
     lines = [f"FDO: {result.stats.batches} batches -> {result.stats_path}"]
     for name, limit in limits.items():
@@ -85,7 +92,7 @@ def run(config: RunConfig, *, progress: bool = True) -> str:
     data = str(config.dataset.dir / "arrayrecord")
     fdo_dir, fdo_summary = run_fdo(config, data, folder)
     print(fdo_summary)
-    checkpoints = folder / "checkpoints"
+    checkpoints, metrics = folder / "checkpoints", folder / "metrics"
     result = _train.train(
         config,
         _train.TrainOptions(
@@ -93,9 +100,12 @@ def run(config: RunConfig, *, progress: bool = True) -> str:
             eval_data=str(_stats_report.held_out_dir(config) / "arrayrecord"),
             fdo_dir=fdo_dir,
             checkpoint_dir=checkpoints,
-            metrics_dir=folder / "metrics",
+            metrics_dir=metrics,
             progress=progress,
         ),
+    )
+    training_image = _run_images.draw_training(
+        _run_images.read_scalars(metrics), folder / TRAINING_IMAGE
     )
     return "\n".join(
         [
@@ -104,7 +114,9 @@ def run(config: RunConfig, *, progress: bool = True) -> str:
             f"{config.global_batch_size}, "
             f"{'pipelined' if config.training.pipelined else 'sequential'}",
             summary(config, result),
-            f"checkpoints: {checkpoints}   metrics: {folder / 'metrics'}",
+            f"checkpoints: {checkpoints}",
+            f"metrics: tensorboard --logdir {metrics}",
+            f"pictures: {folder / FDO_IMAGE}  {training_image}",
             f"demo finished in {time.perf_counter() - began:.0f} s",
         ]
     )

@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+from sparseflow._errors import UsageError
+
 _log = logging.getLogger(__name__)
 
 MARKER_NAME = ".sparseflow-demo-run"
@@ -26,7 +28,7 @@ def claim(folder: Path) -> Path:
     """Returns `folder` empty but for its marker, creating it if missing.
 
     Raises:
-      ValueError: `folder` exists without the marker (or is not a plain
+      UsageError: `folder` exists without the marker (or is not a plain
         directory); the demo deletes nothing in it.
     """
     folder = Path(os.path.abspath(folder))
@@ -42,12 +44,12 @@ def claim(folder: Path) -> Path:
 
 def _check_owned(folder: Path) -> None:
     if folder.is_symlink() or not folder.is_dir():
-        raise ValueError(
+        raise UsageError(
             f"{folder} exists and is not a directory the demo created; the demo writes its "
             "outputs there. Move it away or change the config's dataset.dir."
         )
     if not (folder / MARKER_NAME).is_file():
-        raise ValueError(
+        raise UsageError(
             f"{folder} exists but was not created by `sparseflow demo` (it has no "
             f"{MARKER_NAME} file), so the demo will not empty it for its outputs. Move it "
             "away, or point the config's dataset.dir elsewhere."

@@ -28,6 +28,7 @@ import beam_jobs
 import embedding
 from sparseflow._arguments import positive_int
 from sparseflow._config import RunConfig
+from sparseflow._errors import UsageError
 
 _DEFAULT_FORMAT_DIR = "arrayrecord"
 _RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         nargs="+",
         help="record files (ArrayRecord or TFRecord): files, directories or glob patterns, "
-        f"read in the given order (default: the config's dataset.dir/{_DEFAULT_FORMAT_DIR})",
+        "local or fsspec URLs as --out takes (gs://bucket/data, file:///data), read in the "
+        f"given order (default: the config's dataset.dir/{_DEFAULT_FORMAT_DIR})",
     )
     parser.add_argument(
         "--out", help="output directory of the stats (default: the config's dataset.dir/fdo)"
@@ -130,17 +132,17 @@ def _dask_address(args: argparse.Namespace) -> Iterator[str | None]:
     """The scheduler to run on with `--runner dask` (a local one lives as long as the job)."""
     if args.runner != DASK:
         if args.dask_address is not None or args.dask_workers is not None:
-            raise ValueError("--dask-address and --dask-workers need --runner dask.")
+            raise UsageError("--dask-address and --dask-workers need --runner dask.")
         yield None
         return
     if args.dask_address is not None and args.dask_workers is not None:
-        raise ValueError(
+        raise UsageError(
             "--dask-workers sizes a local cluster; a cluster at --dask-address has its own workers."
         )
     try:
         from beam_jobs import dask_cluster  # the `dask` extra: only this runner needs it
     except ModuleNotFoundError as e:
-        raise ValueError(f"--runner dask needs {e.name}: pip install 'sparseflow[dask]'.") from e
+        raise UsageError(f"--runner dask needs {e.name}: pip install 'sparseflow[dask]'.") from e
     with dask_cluster.dask_cluster(
         address=args.dask_address, workers=args.dask_workers or _DEFAULT_DASK_WORKERS
     ) as address:

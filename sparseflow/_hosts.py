@@ -37,16 +37,3 @@ def barrier(name: str) -> None:
     """Returns once every process has reached the barrier `name`."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
-
-
-def gathered_bytes(value: bytes) -> list[bytes]:
-    """`value` of every process, in process order."""
-    if jax.process_count() == 1:
-        return [value]
-    lengths = np.asarray(
-        multihost_utils.process_allgather(np.array([len(value)], dtype=np.int32))
-    ).reshape(-1)
-    padded = np.zeros(int(lengths.max()), dtype=np.uint8)
-    padded[: len(value)] = np.frombuffer(value, dtype=np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(padded))
-    return [bytes(row[:length]) for row, length in zip(every, lengths, strict=True)]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tensorflow as tf
 import tqdm
+
+from pipelines._tensorflow import tf
 
 
 class MetricsWriter:

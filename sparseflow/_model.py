@@ -1,12 +1,23 @@
-"""The dense tower of a DLRM-style recommender, as pure functions.
+"""The dense tower of the recommender, as pure functions: DLRM or DCN-v2.
+
+DLRM (the default):
 
     dense features --bottom MLP--> x0 [B, d]
     activation of feature f [B, dim_f] --linear--> x_f [B, d]
     z = upper triangle of [x0, x_1..x_F] [x0, x_1..x_F]^T   (pairwise dots)
     logit = top MLP([x0, z])
 
+DCN-v2 (`model.tower: {type: dcn_v2, cross_layers: K, mlp: [...]}`):
+
+    x0 = [bottom MLP(dense features), activations of every feature]  [B, D]
+    x_{l+1} = x0 * (x_l W_l + b_l) + x_l,   l = 0..K-1   (full-rank cross)
+    logit = MLP(x_K)
+
 Embedding activations come from the sharded lookup; this module never sees
 tables. Parameters are a plain dict pytree so optax and orbax handle them.
+The forward marks a pipeline boundary after every layer (a no-op outside
+`parallel.pipeshard`), the layers that `model.pipeshard` with `layers:
+manual` groups into stages.
 """
 
 from __future__ import annotations
@@ -18,6 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from parallel import pipeshard
+from sparseflow._tower_config import DcnV2Tower, PipeshardConfig
 
 Params = dict
 """`{"bottom": [layer...], "project": {feature: w}, "top": [layer...]}`."""
@@ -32,11 +46,16 @@ class ModelConfig:
         interaction dim d.
       top_mlp: hidden widths of the top MLP (a final width-1 layer is added).
       learning_rate: of the dense part's Adam.
+      tower: "dlrm" (bottom MLP, pairwise interactions, top MLP) or a
+        `DcnV2Tower` (the bottom MLP, then cross layers and its MLP).
+      pipeshard: run the tower as a pipeshard pipeline, or None.
     """
 
     bottom_mlp: tuple[int, ...] = (64, 16)
     top_mlp: tuple[int, ...] = (64, 32)
     learning_rate: float = 1e-3
+    tower: str | DcnV2Tower = "dlrm"
+    pipeshard: PipeshardConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("bottom_mlp", "top_mlp"):
@@ -76,6 +95,8 @@ def init_params(
       num_dense_features: width of the dense input.
       feature_dims: embedding dim of every sparse feature, by name.
     """
+    if isinstance(config.tower, DcnV2Tower):
+        return _init_dcn_v2(key, config, num_dense_features, feature_dims)
     d = config.interaction_dim
     num_pairs = (len(feature_dims) + 1) * len(feature_dims) // 2
     k_bottom, k_top, k_project = jax.random.split(key, 3)
@@ -90,11 +111,32 @@ def init_params(
     }
 
 
-def _apply_mlp(layers: list[dict], x: jax.Array, *, final_activation: bool) -> jax.Array:
+def _init_dcn_v2(key, config: ModelConfig, num_dense_features: int, feature_dims) -> Params:
+    width = config.bottom_mlp[-1] + sum(feature_dims.values())
+    k_bottom, k_cross, k_mlp = jax.random.split(key, 3)
+    cross_keys = jax.random.split(k_cross, config.tower.cross_layers)
+    return {
+        "bottom": _mlp(k_bottom, (num_dense_features, *config.bottom_mlp)),
+        "cross": [_dense_layer(k, width, width) for k in cross_keys],
+        "top": _mlp(k_mlp, (width, *config.tower.mlp, 1)),
+    }
+
+
+def num_layers(params: Params) -> int:
+    """Layers between the forward's pipeline boundaries."""
+    return len(params["bottom"]) + len(params.get("cross", ())) + len(params["top"])
+
+
+def _apply_mlp(
+    layers: list[dict], x: jax.Array, *, final_activation: bool, mark_last: bool = True
+) -> jax.Array:
+    """The MLP, a pipeline boundary after each layer (but the last unless `mark_last`)."""
     for i, layer in enumerate(layers):
         x = x @ layer["w"] + layer["b"]
         if final_activation or i < len(layers) - 1:
             x = jax.nn.relu(x)
+        if mark_last or i < len(layers) - 1:
+            pipeshard.mark_pipeline_boundary()
     return x
 
 
@@ -110,13 +152,24 @@ def forward(params: Params, dense: jax.Array, activations: Mapping[str, jax.Arra
       `float32[batch]` logits.
     """
     x0 = _apply_mlp(params["bottom"], dense, final_activation=True)
+    if "cross" in params:
+        return _dcn_v2(params, x0, activations)
     vectors = [x0] + [activations[name] @ w for name, w in sorted(params["project"].items())]
     stacked = jnp.stack(vectors, axis=1)  # [B, F + 1, d]
     dots = jnp.einsum("bid,bjd->bij", stacked, stacked)
     rows, cols = np.triu_indices(len(vectors), k=1)
     interactions = dots[:, rows, cols]
     top_input = jnp.concatenate([x0, interactions], axis=1)
-    return _apply_mlp(params["top"], top_input, final_activation=False)[:, 0]
+    return _apply_mlp(params["top"], top_input, final_activation=False, mark_last=False)[:, 0]
+
+
+def _dcn_v2(params: Params, bottom: jax.Array, activations: Mapping[str, jax.Array]) -> jax.Array:
+    x0 = jnp.concatenate([bottom] + [activations[name] for name in sorted(activations)], axis=1)
+    x = x0
+    for layer in params["cross"]:
+        x = x0 * (x @ layer["w"] + layer["b"]) + x
+        pipeshard.mark_pipeline_boundary()
+    return _apply_mlp(params["top"], x, final_activation=False, mark_last=False)[:, 0]
 
 
 def loss_fn(

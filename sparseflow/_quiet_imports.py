@@ -8,8 +8,9 @@ before TensorFlow or Beam is imported. A variable the user sets wins.
 
 from __future__ import annotations
 
-import logging
+import importlib.util
 import os
+import sys
 
 # TensorFlow 2.21 logs "oneDNN custom operations are on" (and absl's notice
 # that logging is not initialized) from the static initializers of two of its
@@ -20,22 +21,10 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 # TensorFlow's INFO lines (the CPU feature guard's); warnings and errors show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
-_BEAM_APITOOLS_NOTICE = (
-    "apitools not found, and bigquery client libraries are not available despite the "
-    "import not raising an ImportError."
-)
-
-
-class BeamApitoolsNoticeFilter(logging.Filter):
-    """Drops the one warning Beam logs on import when the GCP extras are absent.
-
-    sparseflow uses none of Beam's GCP I/O, so the notice is never about a
-    problem of a sparseflow run; every other record passes.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != _BEAM_APITOOLS_NOTICE
-
-
-# Beam logs the notice on the root logger as it is imported.
-logging.getLogger().addFilter(BeamApitoolsNoticeFilter())
+# `apache_beam.io` imports Beam's BigQuery I/O (and after it, in the same try
+# block, Pub/Sub and GCS) if it can; without the GCP extras (apitools), that
+# import logs "apitools not found ..." on the root logger, and the I/O cannot
+# work anyway. sparseflow uses none of them: a None entry makes the import
+# raise the ImportError Beam expects of missing extras, so it skips them.
+if importlib.util.find_spec("apitools") is None:
+    sys.modules.setdefault("apache_beam.io.gcp.bigquery", None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparseflow._errors import UsageError
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -20,11 +22,11 @@ def shipped_config(name: str) -> Path:
     """The file of the shipped config `name` (e.g. `"demo"`).
 
     Raises:
-      ValueError: no shipped config has that name; the message lists them.
+      UsageError: no shipped config has that name; the message lists them.
     """
     path = CONFIG_DIR / f"{name}.yaml"
     if name not in shipped_config_names():
-        raise ValueError(
+        raise UsageError(
             f"no shipped config named {name!r}; shipped configs: "
             f"{', '.join(shipped_config_names())} (or pass a YAML file's path)"
         )

@@ -123,7 +123,7 @@ def checked_manifest(config: RunConfig) -> dict:
         manifest.get("features") != expected
         or manifest.get("num_dense_features") != config.synthetic.num_dense_features
     ):
-        raise ValueError(
+        raise pipelines.DataError(
             f"The dataset in {config.dataset.dir} was made for other features than "
             f"those of {config.source_path}; remove the directory to have it "
             "regenerated, or point dataset.dir elsewhere."
@@ -233,7 +233,7 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
       The totals and the per-stack summaries.
 
     Raises:
-      ValueError: the dataset does not match the config or holds less than
+      DataError: the dataset does not match the config or holds less than
         one global batch; a record is bad (`pipelines.BadRecordError`); a
         batch breaks a limit with dropping off, or holds an invalid id with
         the "raise" policy.
@@ -242,7 +242,7 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
     batch_size = config.global_batch_size
     available = manifest["num_examples"] // batch_size
     if not available:
-        raise ValueError(
+        raise pipelines.DataError(
             f"The dataset in {config.dataset.dir} holds {manifest['num_examples']} "
             f"examples, less than one global batch of {batch_size}."
         )

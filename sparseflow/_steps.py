@@ -21,7 +21,9 @@ from jax.sharding import Mesh
 
 import embedding
 import parallel
+from parallel import pipeshard
 from sparseflow import _model
+from sparseflow._tower_config import PipeshardConfig
 
 
 class TrainState(NamedTuple):
@@ -66,12 +68,14 @@ class Stages:
       mesh: the 1-D mesh of all devices.
       optimizer: the dense optimizer.
       enable_minibatching: as given to the preprocessing.
+      pipeshard: run the dense tower as a pipeshard pipeline (`pipeshard_tc`).
     """
 
     feature_specs: Mapping[str, embedding.FeatureSpec]
     mesh: Mesh
     optimizer: optax.GradientTransformation
     enable_minibatching: bool
+    pipeshard: PipeshardConfig | None = None
 
     def sc_fwd(self, sparse_inputs, embedding_variables):
         """Lookup: `(float32[batch, sum of dims] stacked activations, LayoutIndex)`.
@@ -143,6 +147,13 @@ class Stages:
             (state.step, sc_fwd_aux),
         )
 
+    @functools.cached_property
+    def pipeshard_tc(self) -> PipeshardTc:
+        """The TC stage with the tower as a pipeshard pipeline, driven from the host."""
+        if self.pipeshard is None:
+            raise ValueError("The config has no model.pipeshard section.")
+        return PipeshardTc(self, self.pipeshard)
+
     def sc_bwd(self, sparse_inputs, activation_grads, embedding_variables, tc_aux):
         """Update from stacked activation gradients."""
         step, layout_index = tc_aux
@@ -182,6 +193,101 @@ class Stages:
             return _model.forward(params, dense_inputs.dense, self.unstack(activations))
 
         return jax.jit(logits)
+
+
+def _pipeshard_loss(params, activations, dense_inputs: DenseInputs) -> jax.Array:
+    return _model.loss_fn(params, dense_inputs.dense, activations, dense_inputs.labels)[0]
+
+
+class PipeshardTc:
+    """`Stages.tc` with the dense tower run as a pipeshard pipeline.
+
+    The tower's forward and backward run on `config.stages` device groups
+    with `config.microbatches` microbatches in the configured schedule
+    (`parallel.pipeshard.pipeshard_tc_function`), then the dense optimizer
+    updates on the whole mesh. It is driven from the host, so the training
+    loop runs it with `parallel.host_driven_step`; traced, it raises
+    `pipeshard.HostDrivenStageError`. The logits for the AUC come from one
+    more compiled forward pass of the batch. Results equal `Stages.tc`'s up
+    to the order of the microbatch sums.
+
+    Attributes:
+      shape_function: `Stages.tc`, which has the same outputs, for
+        `parallel.get_initial_state`.
+      stage: the pipeshard TC stage (its `pipeshard_function.last_schedule`
+        is the last batch's executed schedule).
+    """
+
+    def __init__(self, stages: Stages, config: PipeshardConfig):
+        self._stages, self._config = stages, config
+        self.shape_function = stages.tc
+        self._unstack = jax.jit(stages.unstack)
+        self._stack = jax.jit(stages.stack)
+        self._logits = jax.jit(_model.forward)
+        self.stage: pipeshard.PipeshardTcStage | None = None
+
+    def method(self, num_layers: int) -> pipeshard.PipeshardParallel:
+        """The pipeline options for a tower of `num_layers` layers.
+
+        Raises:
+          ValueError: more stages (times virtual stages) than the tower has
+            layers, or more stages than devices.
+        """
+        config, devices = self._config, self._stages.mesh.size
+        chunks = config.stages * config.virtual_stages
+        if config.stages > devices:
+            raise ValueError(
+                f"model.pipeshard.stages={config.stages} but the mesh has {devices} devices; "
+                f"use at most {devices} stages."
+            )
+        base, extra = divmod(devices, config.stages)
+        counts = tuple(base + (g < extra) for g in range(config.stages))
+        if config.layers == "auto":
+            layer_option = pipeshard.AutoLayerOption(layer_num=chunks)
+            stage_option = pipeshard.UniformStageOption(num_stages=config.stages)
+        else:
+            if chunks > num_layers:
+                raise ValueError(
+                    f"model.pipeshard asks for {chunks} stages (stages x virtual_stages) but "
+                    f"the tower has {num_layers} layers; use fewer stages, a deeper tower, or "
+                    "layers: auto."
+                )
+            size, more = divmod(num_layers, chunks)
+            bounds = np.cumsum([0] + [size + (c < more) for c in range(chunks)])
+            layer_option = "manual"
+            stage_option = pipeshard.ManualStageOption(
+                forward_stage_layer_ids=tuple(
+                    tuple(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                ),
+                submesh_device_counts=counts,
+            )
+        return pipeshard.PipeshardParallel(
+            num_micro_batches=config.microbatches,
+            layer_option=layer_option,
+            stage_option=stage_option,
+            pipeline_schedule=config.schedule,
+            virtual_stages=config.virtual_stages,
+        )
+
+    def __call__(self, activations, dense_inputs: DenseInputs, state: TrainState, sc_fwd_aux):
+        if self.stage is None:
+            self.stage = pipeshard.pipeshard_tc_function(
+                _pipeshard_loss,
+                self._stages.optimizer,
+                method=self.method(_model.num_layers(state.params)),
+                devices=self._stages.mesh.devices.flat,
+            )
+        per_feature = self._unstack(activations)
+        grads, loss, new_state, step = self.stage(
+            per_feature, dense_inputs, pipeshard.TcTrainState(*state)
+        )
+        logits = self._logits(state.params, dense_inputs.dense, per_feature)
+        return (
+            self._stack(grads),
+            StepOutput(loss, logits, dense_inputs.labels),
+            TrainState(*new_state),
+            (step, sc_fwd_aux),
+        )
 
 
 def init_train_state(

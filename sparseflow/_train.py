@@ -33,6 +33,7 @@ from parallel import allreduce
 from sparseflow import _limit_feedback, _model, _run_identity
 from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._config import RunConfig
+from sparseflow._errors import UsageError
 from sparseflow._metrics import MetricsWriter, Progress
 from sparseflow._steps import DenseInputs, Stages, init_train_state, replicate
 
@@ -76,7 +77,7 @@ class TrainOptions:
     agreement_hosts: Sequence[str] | None = None
 
 
-class TrainingDivergedError(ValueError):
+class TrainingDivergedError(embedding.SparseflowError, ValueError):
     """The loss or the parameters stopped being finite; nothing from that step on is saved."""
 
 
@@ -157,13 +158,13 @@ def _agreement(config: RunConfig, options: TrainOptions) -> allreduce.AllReduceC
         return None
     port = options.agreement_port or config.training.agreement_port
     if not port:
-        raise ValueError(
+        raise UsageError(
             "Minibatching on several hosts needs training.agreement_port (the first "
             "port of the hosts' all-reduce groups) in the config."
         )
     hosts = options.agreement_hosts or ["127.0.0.1"] * jax.process_count()
     if len(hosts) != jax.process_count():
-        raise ValueError(f"{len(hosts)} agreement hosts given for {jax.process_count()} processes.")
+        raise UsageError(f"{len(hosts)} agreement hosts given for {jax.process_count()} processes.")
     return allreduce.AllReduceConfig(
         rank=jax.process_index(),
         peers=agreement_peers(hosts, port),
@@ -245,6 +246,12 @@ class _Run:
             config.training.pipelined if options.pipelined is None else options.pipelined
         )
         self.use_specs(_feature_specs(config, options, mesh))
+        if config.model.pipeshard is not None and not self.pipelined:
+            raise ValueError(
+                "model.pipeshard runs the dense tower inside SC/TC pipelined training; set "
+                "training.pipelined: true (or drop --no-pipelined). Without pipelining the "
+                "whole step is one compiled program, with the tower unpipelined."
+            )
         key_tables, key_dense = jax.random.split(jax.random.key(config.seed))
         self.tables = embedding.init_embedding_variables(
             key_tables, self.specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
@@ -272,6 +279,7 @@ class _Run:
             mesh=self.mesh,
             optimizer=_model.dense_optimizer(self.config.model),
             enable_minibatching=self.config.preprocessing.enable_minibatching,
+            pipeshard=self.config.model.pipeshard,
         )
 
     def arrays(self) -> dict[str, Any]:
@@ -346,7 +354,7 @@ def _dummy_input(pipeline_state) -> parallel.CurrentStepInput:
 def _number_of_steps(run: _Run, batches: pipelines.DeviceIterator) -> int:
     wanted = run.options.steps or run.config.training.steps or batches.num_batches
     if wanted > batches.num_batches:
-        raise ValueError(
+        raise UsageError(
             f"{wanted} steps need {wanted} global batches but the data holds "
             f"{batches.num_batches} (x epochs); raise training.epochs or lower the steps."
         )
@@ -444,7 +452,7 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
     with _setup_objects_frozen():
         total = parallel.get_pipeline_train_steps(n) if run.pipelined else n
         every = run.config.training.checkpoint_every
-        pipelined_step = parallel.jit_step(run.stages.sc_fwd, run.stages.tc, run.stages.sc_bwd)
+        pipelined_step = _pipelined_step(run.stages)
         progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
         began, logged, call_seconds = time.perf_counter(), len(run.losses), []
         for t in range(start, total):
@@ -489,6 +497,13 @@ def _setup_objects_frozen():
         yield
     finally:
         gc.unfreeze()
+
+
+def _pipelined_step(stages: Stages):
+    """The pipelined step: one compiled program, or with pipeshard the tower from the host."""
+    if stages.pipeshard is None:
+        return parallel.jit_step(stages.sc_fwd, stages.tc, stages.sc_bwd)
+    return parallel.host_driven_step(stages.sc_fwd, stages.pipeshard_tc, stages.sc_bwd)
 
 
 def _pipelined_call(run: _Run, pipelined_step, t: int, n: int, batch) -> None:

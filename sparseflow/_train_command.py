@@ -13,6 +13,7 @@ import jax
 from sparseflow import _launch, _train
 from sparseflow._arguments import non_negative_int, positive_int
 from sparseflow._config import RunConfig
+from sparseflow._errors import UsageError
 
 _LAUNCH_TIMEOUT_S = 6 * 3600.0
 
@@ -90,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: RunConfig) -> None:
     config = with_agreement_security(args, config)
     if args.num_processes < 1:
-        raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}.")
+        raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}.")
     if config.mesh.devices % args.num_processes:
-        raise ValueError(
+        raise UsageError(
             f"{config.mesh.devices} devices cannot be split over {args.num_processes} processes."
         )
     per_process = config.mesh.devices // args.num_processes
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
     _launch.use_cpu_devices(per_process)
     if args.num_processes > 1:
         if args.coordinator is None:
-            raise ValueError("--process-id needs --coordinator host:port.")
+            raise UsageError("--process-id needs --coordinator host:port.")
         _launch.initialize_distributed(
             args.coordinator,
             args.num_processes,

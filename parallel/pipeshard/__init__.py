@@ -5,8 +5,9 @@ layer boundaries in the model, take the gradient with this package's
 `value_and_grad`, and `parallelize` the train step. Layers are cut from the
 traced program (at the markers, or by cost), grouped into stages (uniformly,
 by measured times, or by hand), and each stage runs forward and backward
-for every microbatch on its own slice of the devices, in a GPipe or 1F1B
-schedule; gradients are accumulated and the update is applied per stage.
+for every microbatch on its own slice of the devices, in a GPipe, 1F1B,
+interleaved 1F1B (virtual stages) or zero-bubble (ZB-H1) schedule;
+gradients are accumulated and the update is applied per stage.
 """
 
 from parallel.pipeshard._api import (
@@ -30,6 +31,7 @@ from parallel.pipeshard._options import (
 from parallel.pipeshard._plot import TimelineAxis, plot_schedule
 from parallel.pipeshard._runtime import PipeshardExecutable
 from parallel.pipeshard._sc_tc_adapter import (
+    HostDrivenStageError,
     PipeshardTcStage,
     TcTrainState,
     pipeshard_tc_function,
@@ -42,6 +44,7 @@ from parallel.pipeshard._schedules import (
     build_schedule,
     clock_bubble_fraction,
     max_inflight_microbatches,
+    theoretical_bubble_fraction,
 )
 from parallel.pipeshard._stages import StagePlan
 
@@ -50,6 +53,7 @@ __all__ = [
     "AutoStageOption",
     "DenseStageFn",
     "ExecutedSchedule",
+    "HostDrivenStageError",
     "LossReduction",
     "ManualLayerOption",
     "ManualStageOption",
@@ -76,5 +80,6 @@ __all__ = [
     "pipeshard_tc_function",
     "pipeshard_value_and_grad",
     "plot_schedule",
+    "theoretical_bubble_fraction",
     "value_and_grad",
 ]

@@ -121,6 +121,7 @@ class PipeshardFunction:
             num_devices=len(devices),
             num_microbatches=m,
             timer=timer,
+            virtual_stages=method.virtual_stages,
         )
         program = slice_program(
             jaxpr,
@@ -140,7 +141,7 @@ class PipeshardFunction:
             program=program,
             layers=layers,
             plan=plan,
-            meshes=slice_devices(devices, plan.device_counts),
+            meshes=slice_devices(devices, plan),
             apply_pieces=apply_pieces,
             method=method,
             batch_sizes=batch_sizes,

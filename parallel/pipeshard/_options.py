@@ -15,10 +15,22 @@ class PipelineSchedule(enum.Enum):
     ONE_F_ONE_B: after a warm-up of `p - i - 1` forwards, stage `i`
       alternates one forward and one backward, so it never holds more than
       `p - i` microbatches' activations. Same number of clocks as GPipe.
+
+    INTERLEAVED_ONE_F_ONE_B: 1F1B over `v` virtual stages per device group
+      (Megatron-LM's interleaved schedule): the model is cut into `p * v`
+      chunks and group `d` runs chunks `d, d + p, ...`, so the pipeline
+      fills `v` times faster: bubble `(p - 1) / (v m + p - 1)`. Set
+      `PipeshardParallel.virtual_stages`.
+    ZERO_BUBBLE: ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"):
+      each backward is split into B, the input gradient the stage before
+      waits for, and W, the weight gradient, which is deferred into 1F1B's
+      bubbles; 1F1B's activation bound, about a third of its bubble.
     """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_ONE_F_ONE_B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"
 
 
 class LossReduction(enum.Enum):
@@ -128,7 +140,9 @@ class ManualStageOption:
       forward_stage_layer_ids: the layers of each stage, e.g. `((0, 1), (2,
         3))`: contiguous, in order, covering every layer exactly once.
       submesh_device_counts: devices of each stage, taken in order from the
-        device list; their sum may be below the device count.
+        device list; their sum may be below the device count. With
+        `virtual_stages=v`, one count per device group: stage `s` runs on
+        group `s % len(submesh_device_counts)`.
     """
 
     forward_stage_layer_ids: tuple[tuple[int, ...], ...]
@@ -149,10 +163,11 @@ class ManualStageOption:
                 f"ManualStageOption.forward_stage_layer_ids must list the layers 0..L-1 in "
                 f"order, as contiguous groups (e.g. ((0, 1), (2, 3))); got {layer_ids!r}."
             )
-        if len(self.submesh_device_counts) != len(layer_ids):
+        if not self.submesh_device_counts or len(layer_ids) % len(self.submesh_device_counts):
             raise ValueError(
                 f"ManualStageOption has {len(layer_ids)} stages but "
-                f"{len(self.submesh_device_counts)} submesh_device_counts; give one per stage."
+                f"{len(self.submesh_device_counts)} submesh_device_counts; give one per stage "
+                "(or, with virtual stages, one per device group)."
             )
         for count in self.submesh_device_counts:
             _positive_int(count, "ManualStageOption.submesh_device_counts entry")
@@ -204,7 +219,11 @@ class PipeshardParallel:
         `AutoLayerOption(layer_num)`.
       stage_option: "uniform" (one stage per layer), `UniformStageOption`,
         "auto" / `AutoStageOption`, or `ManualStageOption`.
-      pipeline_schedule: "gpipe" or "1f1b".
+      pipeline_schedule: "gpipe", "1f1b", "interleaved_1f1b" or
+        "zero_bubble" (see `PipelineSchedule`).
+      virtual_stages: model chunks per device group, for
+        "interleaved_1f1b" only: the layers are cut into `stages *
+        virtual_stages` stages, stage `c` placed on device group `c % stages`.
       loss_reduction: how the loss reduces over examples ("mean" or "sum").
       time_tasks: wait for every task to finish and record its duration
         (for `plot_schedule(..., timing="measured")` and benchmarks); this
@@ -215,6 +234,7 @@ class PipeshardParallel:
     layer_option: LayerOption | str = "manual"
     stage_option: StageOption | str = "uniform"
     pipeline_schedule: PipelineSchedule | str = PipelineSchedule.GPIPE
+    virtual_stages: int = 1
     loss_reduction: LossReduction | str = LossReduction.MEAN
     time_tasks: bool = False
 
@@ -226,6 +246,18 @@ class PipeshardParallel:
             PipelineSchedule, self.pipeline_schedule, "PipeshardParallel.pipeline_schedule"
         )
         object.__setattr__(self, "pipeline_schedule", schedule)
+        _positive_int(self.virtual_stages, "PipeshardParallel.virtual_stages")
+        if self.virtual_stages > 1 and schedule is not PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+            raise ValueError(
+                f"PipeshardParallel.virtual_stages={self.virtual_stages} needs "
+                f"pipeline_schedule='interleaved_1f1b', not {schedule.value!r}; with "
+                f"{schedule.value!r} every device group runs one stage (virtual_stages=1)."
+            )
+        if self.virtual_stages > 1 and isinstance(self.stage_option, AutoStageOption):
+            raise ValueError(
+                "PipeshardParallel.virtual_stages > 1 needs UniformStageOption or "
+                "ManualStageOption: automatic stages place one stage per device group."
+            )
         reduction = _enum_value(
             LossReduction, self.loss_reduction, "PipeshardParallel.loss_reduction"
         )

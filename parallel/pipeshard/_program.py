@@ -242,3 +242,68 @@ def _floating_closure(indices, eqns, producer, floating) -> set[int]:
             needed.add(i)
             stack.extend(vars_of(eqns[i].invars))
     return needed
+
+
+def split_weight_gradients(program: MicrobatchProgram) -> MicrobatchProgram:
+    """`program` with every backward piece split into B (inputs) and W (weights).
+
+    B keeps the equations its stage's input gradients need (the values sent
+    to the stage before, and per-example gradients of the batch); W gets
+    the rest, the weight gradients summed over microbatches. Values of B
+    that W reads pass from B to W like any transfer. Nothing waits for W, so
+    a schedule may defer it (zero bubble).
+    """
+    pieces = []
+    for piece in program.pieces:
+        pieces += _split_backward(piece) if piece.kind is TaskKind.BACKWARD else [piece]
+    return dataclasses.replace(program, pieces=tuple(pieces))
+
+
+def _split_backward(piece: Piece) -> list[Piece]:
+    eqns = [single for eqn in piece.eqns for single in _per_operand(eqn)]
+    needed = set(piece.transfer_outputs) | set(piece.concat_outputs)
+    in_input_part = [False] * len(eqns)
+    for i in reversed(range(len(eqns))):
+        if needed.intersection(vars_of(eqns[i].outvars)):
+            in_input_part[i] = True
+            needed.update(vars_of(eqns[i].invars))
+    input_eqns = [e for e, inside in zip(eqns, in_input_part) if inside]
+    weight_eqns = [e for e, inside in zip(eqns, in_input_part) if not inside]
+    if not weight_eqns:
+        return [piece]
+    input_made = {v for e in input_eqns for v in vars_of(e.outvars)}
+    weight_reads = {v for e in weight_eqns for v in vars_of(e.invars)}
+    handed_on = tuple(
+        dict.fromkeys(v for e in input_eqns for v in vars_of(e.outvars) if v in weight_reads)
+    )
+
+    def part(kind, eqns, extra_inputs, extra_outputs, made):
+        reads = {v for e in eqns for v in vars_of(e.invars)}
+        return Piece(
+            stage=piece.stage,
+            kind=kind,
+            eqns=tuple(eqns),
+            split_inputs=tuple(v for v in piece.split_inputs if v in reads),
+            step_inputs=tuple(v for v in piece.step_inputs if v in reads),
+            transfer_inputs=tuple(v for v in piece.transfer_inputs if v in reads) + extra_inputs,
+            transfer_outputs=tuple(v for v in piece.transfer_outputs if v in made) + extra_outputs,
+            sum_outputs=tuple(v for v in piece.sum_outputs if v in made),
+            concat_outputs=tuple(v for v in piece.concat_outputs if v in made),
+        )
+
+    weight_made = {v for e in weight_eqns for v in vars_of(e.outvars)}
+    return [
+        part(TaskKind.BACKWARD, input_eqns, (), handed_on, input_made),
+        part(TaskKind.WEIGHT, weight_eqns, handed_on, (), weight_made),
+    ]
+
+
+def _per_operand(eqn: JaxprEqn) -> list[JaxprEqn]:
+    """A layer marker as one marker per operand (it is the identity on each).
+
+    A backward marker passes a layer's input and weight gradients together;
+    apart, the input gradients no longer depend on the weight gradients.
+    """
+    if not is_marker(eqn) or len(eqn.invars) <= 1:
+        return [eqn]
+    return [eqn.replace(invars=[i], outvars=[o]) for i, o in zip(eqn.invars, eqn.outvars)]

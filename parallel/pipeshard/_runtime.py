@@ -36,9 +36,15 @@ from parallel.pipeshard._compile import (
     stage_sharding,
 )
 from parallel.pipeshard._layers import LayerAssignment
-from parallel.pipeshard._options import PipeshardParallel
-from parallel.pipeshard._program import MicrobatchProgram
-from parallel.pipeshard._schedules import ExecutedSchedule, Task, TaskRecord, build_schedule
+from parallel.pipeshard._options import PipelineSchedule, PipeshardParallel
+from parallel.pipeshard._program import MicrobatchProgram, split_weight_gradients
+from parallel.pipeshard._schedules import (
+    ExecutedSchedule,
+    Task,
+    TaskKind,
+    TaskRecord,
+    build_schedule,
+)
 from parallel.pipeshard._stages import StagePlan
 from parallel.pipeshard._tracing import TracedStep
 
@@ -93,15 +99,12 @@ class PipeshardExecutable:
         method: PipeshardParallel,
         batch_sizes: frozenset[int],
     ):
-        self.traced, self.program, self.layers, self.plan = traced, program, layers, plan
+        self.traced, self.layers, self.plan = traced, layers, plan
         self.meshes, self.apply_pieces, self.method = tuple(meshes), tuple(apply_pieces), method
         self._batch_sizes = batch_sizes
+        self._programs = {False: program}
+        self._compiled: dict[tuple[int, TaskKind, bool], CompiledProgram] = {}
         m = method.num_micro_batches
-        self.clocks = build_schedule(method.pipeline_schedule, m, plan.num_stages)
-        self._pieces = {
-            (p.stage, p.kind): (p, compile_piece(p, self.meshes[p.stage], batch_sizes))
-            for p in program.pieces
-        }
         self._apply = [
             (a, compile_apply_piece(a, self.meshes[a.stage], batch_sizes, m)) for a in apply_pieces
         ]
@@ -110,8 +113,7 @@ class PipeshardExecutable:
         )
         self._sources = dict(zip(program.jaxpr.jaxpr.invars, traced.step.grad_sources))
         self._consts = dict(zip(program.jaxpr.jaxpr.constvars, program.jaxpr.consts))
-        self._readers = self._transfer_readers()
-        self._plan_inputs()
+        self._configure()
         logger.info(
             "Pipeshard: %d layers in %d stages %s on %s devices, %d apply programs.",
             layers.num_layers,
@@ -126,16 +128,37 @@ class PipeshardExecutable:
 
         Args:
           **changes: new values of `PipeshardParallel.pipeline_schedule`
-            and/or `time_tasks`, the options that do not change what is
-            compiled.
+            and/or `time_tasks`, the options that do not change how the
+            model is cut. Going to or from "zero_bubble" compiles the split
+            backward pieces (or the whole ones) once.
         """
         check_runtime_options(changes)
         other = copy.copy(self)
         other.method = dataclasses.replace(self.method, **changes)
-        other.clocks = build_schedule(
-            other.method.pipeline_schedule, other.method.num_micro_batches, self.plan.num_stages
-        )
+        other._configure()
         return other
+
+    def _configure(self) -> None:
+        """The schedule, and the pieces it runs (backwards split for zero bubble)."""
+        method, plan = self.method, self.plan
+        split = method.pipeline_schedule is PipelineSchedule.ZERO_BUBBLE
+        if split not in self._programs:
+            self._programs[split] = split_weight_gradients(self._programs[False])
+        self.program = self._programs[split]
+        self.clocks = build_schedule(
+            method.pipeline_schedule,
+            method.num_micro_batches,
+            plan.num_groups,
+            plan.virtual_stages,
+        )
+        self._pieces = {}
+        for p in self.program.pieces:
+            key = (p.stage, p.kind, split and p.kind is not TaskKind.FORWARD)
+            if key not in self._compiled:
+                self._compiled[key] = compile_piece(p, self.meshes[p.stage], self._batch_sizes)
+            self._pieces[(p.stage, p.kind)] = (p, self._compiled[key])
+        self._readers = self._transfer_readers()
+        self._plan_inputs()
 
     def _transfer_readers(self) -> dict[Var, int]:
         readers: dict[Var, int] = {}
@@ -154,9 +177,10 @@ class PipeshardExecutable:
         outputs = self._apply_phase(outer, state)
         record = ExecutedSchedule(
             schedule=self.method.pipeline_schedule,
-            num_stages=self.plan.num_stages,
+            num_stages=self.plan.num_groups,
             num_microbatches=self.method.num_micro_batches,
             records=tuple(state.records),
+            virtual_stages=self.plan.virtual_stages,
         )
         return outputs, record
 

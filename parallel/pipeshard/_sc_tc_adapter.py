@@ -2,16 +2,19 @@
 
 `pipeshard_tc_function` wraps `pipeshard_value_and_grad` and an optax
 optimizer into a `parallel.TcStageFun`. The pipeline is driven from the
-host, so the pipelined step runs eagerly (not under `jax.jit`):
+host: one compiled program per stage and task, dispatched by the host in
+the schedule's order. So the pipelined step runs with
+`parallel.host_driven_step` (the sparse stages compiled, the TC stage
+from the host), never under `jax.jit`:
 
     tc = pipeshard.pipeshard_tc_function(loss_fn, optax.adam(1e-3), method=method)
     train_state = pipeshard.TcTrainState.create(params, optax.adam(1e-3))
     state = parallel.get_initial_state(batch(0), train_state, tables, sc_fwd, tc)
+    run_step = parallel.host_driven_step(sc_fwd, tc, sc_bwd)
     for t in range(parallel.get_pipeline_train_steps(n)):
-        out, _, train_state, tables, state = parallel.step(
+        out, _, train_state, tables, state = run_step(
             batch(t) if t < n else dummy, train_state, tables, state,
-            sc_fwd, tc, sc_bwd, fake_tc_step=not parallel.is_output_valid(t, n))
-        jax.block_until_ready((out, train_state, tables, state))
+            fake_tc_step=not parallel.is_output_valid(t, n))
 """
 
 from __future__ import annotations
@@ -61,12 +64,13 @@ def pipeshard_tc_function(
     `optimizer`. Make it once and pass the same object to every call: the
     pipeline is compiled on the first call.
 
-    Run `parallel.step` eagerly with it, and wait for each call's outputs
-    before the next (XLA:CPU must not run two programs with collectives at
-    once). Under a trace (`jax.eval_shape` in `parallel.get_initial_state`,
-    or `jax.jit`) a host-driven pipeline cannot run, so the stage then
-    computes the same values with `jax.value_and_grad` as one program: under
-    `jax.jit` training is correct but not pipelined.
+    Run it with `parallel.host_driven_step` (or `parallel.step` eagerly,
+    waiting for each call's outputs before the next: XLA:CPU must not run
+    two programs with collectives at once). It cannot be traced: under
+    `jax.jit` (`parallel.jit_step`, a jitted `parallel.step`) it raises
+    `HostDrivenStageError`. `parallel.get_initial_state` learns its output
+    shapes from `shape_function`, the same stage written with
+    `jax.value_and_grad`, which only `jax.eval_shape` runs.
 
     Args:
       loss_fn: `loss_fn(params, activations, dense_inputs) -> float32[]`,
@@ -109,19 +113,31 @@ class PipeshardTcStage:
 
     def __init__(self, pipeshard_function: PipeshardFunction, *, traceable, update):
         self.pipeshard_function = pipeshard_function
-        self._traceable, self._update = traceable, jax.jit(update)
+        self._traceable, self._update = traceable, update
+        self._jitted_update = jax.jit(update)
 
     def __call__(self, activations, dense_inputs, train_state: TcTrainState, sc_fwd_aux=None):
         del sc_fwd_aux
         _check_train_state(train_state)
         args = (train_state.params, activations, dense_inputs)
-        if _is_traced(args):
-            loss, (param_grads, activation_grads) = self._traceable(*args)
-        else:
-            loss, (param_grads, activation_grads) = self.pipeshard_function(*args)
-            param_grads = _like(param_grads, train_state.params)
-            activation_grads = _like(activation_grads, activations)
-            loss = _like(loss, train_state.step)
+        check_not_traced(args, "pipeshard_tc_function")
+        loss, (param_grads, activation_grads) = self.pipeshard_function(*args)
+        param_grads = like(param_grads, train_state.params)
+        activation_grads = like(activation_grads, activations)
+        loss = like(loss, train_state.step)
+        return (
+            activation_grads,
+            loss,
+            self._jitted_update(train_state, param_grads),
+            train_state.step,
+        )
+
+    def shape_function(self, activations, dense_inputs, train_state, sc_fwd_aux=None):
+        """The stage with `jax.value_and_grad`, traceable: for output shapes only."""
+        del sc_fwd_aux
+        loss, (param_grads, activation_grads) = self._traceable(
+            train_state.params, activations, dense_inputs
+        )
         return activation_grads, loss, self._update(train_state, param_grads), train_state.step
 
 
@@ -133,11 +149,29 @@ def _update_function(optimizer: optax.GradientTransformation):
     return update
 
 
-def _is_traced(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+class HostDrivenStageError(TypeError):
+    """A host-driven pipeshard stage was traced (e.g. under `jax.jit`)."""
 
 
-def _like(tree: Any, reference: Any) -> Any:
+def check_not_traced(tree: Any, what: str) -> None:
+    """Raises `HostDrivenStageError` if `tree` holds tracers: the pipeline cannot be traced.
+
+    Raises:
+      HostDrivenStageError: saying why, and what would run instead.
+    """
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree)):
+        raise HostDrivenStageError(
+            f"{what} runs its dense tower as a pipeshard pipeline driven from the host (one "
+            "compiled program per stage and microbatch task, dispatched in the schedule's "
+            "order), so it cannot run inside jax.jit, parallel.jit_step or another trace. "
+            "Drive the step from the host with parallel.host_driven_step(sc_fwd, tc, sc_bwd) "
+            "(or parallel.step called eagerly). Under jax.jit only an unpipelined TC stage "
+            "would run (jax.value_and_grad of the loss as one program): pass such a stage "
+            "instead if that is what you want."
+        )
+
+
+def like(tree: Any, reference: Any) -> Any:
     """`tree` placed like `reference` (the pipeline leaves results on stage sub-meshes).
 
     Where `reference` is not committed to devices (host values, or the

@@ -1,27 +1,42 @@
 """Pipeline schedules as clocks of tasks, and the record of an executed one.
 
 A schedule is a sequence of clocks; a clock is a set of tasks that may run
-at the same time, at most one per stage. Task `(stage, microbatch, kind)`
-runs the forward (F) or backward (B) of one stage on one microbatch. The
-forward of stage `s` needs the forward of stage `s - 1` of the same
+at the same time, at most one per device group. Task `(stage, microbatch,
+kind)` runs the forward (F) or backward (B) of one stage on one microbatch.
+The forward of stage `s` needs the forward of stage `s - 1` of the same
 microbatch from an earlier clock; the backward of stage `s` needs the
 backward of stage `s + 1` and its own forward.
+
+With `v` virtual stages (interleaved 1F1B), the model is cut into `p * v`
+stages and stage `s` runs on device group `s % p`: each group holds `v`
+non-adjacent chunks of the model. The zero-bubble schedule splits each
+backward into B, the gradient of the stage's inputs (what the stage before
+waits for), and W, the gradient of its weights, which nothing waits for and
+which fills the clocks a B would leave idle.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections.abc import Sequence
 
 from parallel.pipeshard._options import PipelineSchedule
 
 
 class TaskKind(enum.Enum):
-    """Forward or backward half of a stage's work on a microbatch."""
+    """A part of a stage's work on a microbatch.
+
+    FORWARD: the forward pass.
+    BACKWARD: the backward pass; under the zero-bubble schedule only the
+      gradient of the stage's inputs.
+    WEIGHT: the gradient of the stage's weights (zero-bubble schedule only).
+    """
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,11 +51,35 @@ class Task:
 Clocks = tuple[tuple[Task, ...], ...]
 
 
-def build_schedule(kind: PipelineSchedule, num_microbatches: int, num_stages: int) -> Clocks:
-    """The clocks of `kind` for `num_microbatches` over `num_stages` stages."""
+def build_schedule(
+    kind: PipelineSchedule, num_microbatches: int, num_stages: int, virtual_stages: int = 1
+) -> Clocks:
+    """The clocks of `kind` for `num_microbatches` over `num_stages` device groups.
+
+    Args:
+      kind: the schedule.
+      num_microbatches: m.
+      num_stages: p, the device groups (the pipeline's depth in devices).
+      virtual_stages: v, model chunks per device group; only the
+        interleaved schedule takes more than 1. Tasks then name the chunk,
+        `0 .. p * v - 1`, as their stage.
+
+    Raises:
+      ValueError: `virtual_stages > 1` with a schedule other than
+        interleaved 1F1B.
+    """
+    if virtual_stages != 1 and kind is not PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs the interleaved_1f1b schedule, not "
+            f"{kind.value!r}; use virtual_stages=1 with {kind.value!r}."
+        )
     if kind is PipelineSchedule.GPIPE:
         return _gpipe(num_microbatches, num_stages)
-    return _one_f_one_b(num_microbatches, num_stages)
+    if kind is PipelineSchedule.ONE_F_ONE_B:
+        return _one_f_one_b(num_microbatches, num_stages)
+    if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+        return _interleaved(num_microbatches, num_stages, virtual_stages)
+    return _zero_bubble_h1(num_microbatches, num_stages)
 
 
 def _gpipe(m: int, p: int) -> Clocks:
@@ -80,46 +119,139 @@ def _one_f_one_b(m: int, p: int) -> Clocks:
             order.append(Task(stage=s, microbatch=k, kind=TaskKind.BACKWARD))
         order += [Task(stage=s, microbatch=k, kind=TaskKind.BACKWARD) for k in range(m - warmup, m)]
         orders.append(order)
+    return _clocked(orders, p, group_of=lambda stage: stage)
+
+
+def _inputs_done(task: Task, done: set, p: int) -> bool:
+    return all(d in done for d in _dependencies(task, p))
+
+
+def _interleaved(m: int, p: int, v: int) -> Clocks:
+    """Megatron-LM's interleaved 1F1B over `p * v` chunks, chunk `c` on group `c % p`.
+
+    Each group runs the forwards of its chunks in rounds of `p` microbatches
+    (chunk by chunk within a round) and the backwards in the same rounds,
+    chunks reversed. It starts with the warm-up forwards Megatron-LM gives
+    it, `2 (p - d - 1) + (v - 1) p`, then alternates, so that with `m` a
+    multiple of `p` the bubble shrinks to `(p - 1) / (v m + p - 1)`.
+    """
+    orders = []
+    for d in range(p):
+        chunks = [d + j * p for j in range(v)]
+        forwards = _rounds(m, p, chunks, TaskKind.FORWARD)
+        backwards = _rounds(m, p, chunks[::-1], TaskKind.BACKWARD)
+        warmup = min(2 * (p - d - 1) + (v - 1) * p, len(forwards))
+        order = forwards[:warmup]
+        for forward, backward in itertools.zip_longest(forwards[warmup:], backwards):
+            order += [t for t in (forward, backward) if t is not None]
+        orders.append(order)
+    return _clocked(orders, p * v, group_of=lambda stage: stage % p)
+
+
+def _rounds(m: int, p: int, chunks: Sequence[int], kind: TaskKind) -> list[Task]:
+    return [
+        Task(stage=c, microbatch=k, kind=kind)
+        for first in range(0, m, p)
+        for c in chunks
+        for k in range(first, min(first + p, m))
+    ]
+
+
+def _zero_bubble_h1(m: int, p: int) -> Clocks:
+    """ZB-H1: 1F1B with each stage's weight gradients deferred into its bubbles.
+
+    Stage `s` starts with `p - s` forwards (one more than 1F1B's warm-up),
+    then per microbatch runs its B, the W that leaves `s` of them pending,
+    and its next F; the pending Ws close the run. A B then waits only for
+    the Bs downstream, not for their Ws, and with F, B and W of equal time
+    and `m >= 2p` the schedule takes `3m + p - 1` clocks: a bubble of `p - 1`
+    clocks instead of 1F1B's `3 (p - 1)`. Every stage holds at most `p`
+    microbatches' activations (from F to W), 1F1B's peak (its first stage).
+    """
+    orders = []
+    for s in range(p):
+        warmup = min(p - s, m)
+        order = [Task(stage=s, microbatch=k, kind=TaskKind.FORWARD) for k in range(warmup)]
+        pending: list[int] = []
+        for k in range(m):
+            order.append(Task(stage=s, microbatch=k, kind=TaskKind.BACKWARD))
+            pending.append(k)
+            while len(pending) > s:
+                order.append(Task(stage=s, microbatch=pending.pop(0), kind=TaskKind.WEIGHT))
+            if warmup + k < m:
+                order.append(Task(stage=s, microbatch=warmup + k, kind=TaskKind.FORWARD))
+        order += [Task(stage=s, microbatch=k, kind=TaskKind.WEIGHT) for k in pending]
+        orders.append(order)
+    return _clocked(orders, p, group_of=lambda stage: stage)
+
+
+def _clocked(orders: Sequence[Sequence[Task]], num_chunks: int, group_of) -> Clocks:
+    """Clocks running each group's tasks in its order, each as soon as its inputs are done."""
     done: set[tuple[int, int, TaskKind]] = set()
-    cursor = [0] * p
+    cursor = [0] * len(orders)
     clocks = []
-    while any(cursor[s] < len(orders[s]) for s in range(p)):
+    while any(c < len(o) for c, o in zip(cursor, orders)):
         ready = [
-            orders[s][cursor[s]]
-            for s in range(p)
-            if cursor[s] < len(orders[s]) and _inputs_done(orders[s][cursor[s]], done, p)
+            o[c]
+            for c, o in zip(cursor, orders)
+            if c < len(o) and _inputs_done(o[c], done, num_chunks)
         ]
+        if not ready:
+            raise RuntimeError("A pipeline schedule's task orders wait on each other.")
         for task in ready:
-            cursor[task.stage] += 1
+            cursor[group_of(task.stage)] += 1
         done |= {(t.stage, t.microbatch, t.kind) for t in ready}
         clocks.append(tuple(ready))
     return tuple(clocks)
 
 
-def _inputs_done(task: Task, done: set, p: int) -> bool:
-    if task.kind is TaskKind.FORWARD:
-        return task.stage == 0 or (task.stage - 1, task.microbatch, TaskKind.FORWARD) in done
-    own_forward = (task.stage, task.microbatch, TaskKind.FORWARD) in done
-    upstream = task.stage == p - 1 or (task.stage + 1, task.microbatch, TaskKind.BACKWARD) in done
-    return own_forward and upstream
-
-
 def clock_bubble_fraction(clocks: Clocks, num_stages: int) -> float:
-    """Idle share of the stage-clock slots: `(p - 1) / (m + p - 1)` for GPipe."""
+    """Idle share of the group-clock slots: `(p - 1) / (m + p - 1)` for GPipe.
+
+    `num_stages` is p, the device groups; every task takes one clock.
+    """
     busy = sum(len(clock) for clock in clocks)
     return 1.0 - busy / (num_stages * len(clocks))
 
 
-def max_inflight_microbatches(tasks: Sequence[Task], stage: int) -> int:
-    """Most microbatches whose forward ran on `stage` and backward did not yet."""
+def theoretical_bubble_fraction(
+    kind: PipelineSchedule, num_microbatches: int, num_stages: int, virtual_stages: int = 1
+) -> float:
+    """The bubble the literature gives, with equal forward and backward times.
+
+    GPipe and 1F1B: `(p - 1) / (m + p - 1)`. Interleaved 1F1B with `v`
+    virtual stages: `(p - 1) / (v m + p - 1)` (for m a multiple of p).
+    ZB-H1, with F, B and W of equal time: `(p - 1) / (3 m + p - 1)`, about
+    a third of 1F1B's. In clock units every schedule here matches it.
+    """
+    m, p, v = num_microbatches, num_stages, virtual_stages
+    if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+        return (p - 1) / (v * m + p - 1)
+    if kind is PipelineSchedule.ZERO_BUBBLE:
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def max_inflight_microbatches(
+    tasks: Sequence[Task], stage: int, num_stages: int | None = None
+) -> int:
+    """Most activations device group `stage` held at once, in (chunk, microbatch) units.
+
+    A stage's activations of a microbatch are held from its forward to its
+    last backward task (W where the schedule has them, else B). With
+    virtual stages, pass `num_stages` (p): group `stage` holds chunks
+    `stage, stage + p, ...`, each about `1 / v` of a stage's activations.
+    """
+    has_weight = {(t.stage, t.microbatch) for t in tasks if t.kind is TaskKind.WEIGHT}
     inflight, peak = set(), 0
     for task in tasks:
-        if task.stage != stage:
+        if (task.stage if num_stages is None else task.stage % num_stages) != stage:
             continue
+        key = (task.stage, task.microbatch)
         if task.kind is TaskKind.FORWARD:
-            inflight.add(task.microbatch)
-        else:
-            inflight.discard(task.microbatch)
+            inflight.add(key)
+        elif task.kind is TaskKind.WEIGHT or key not in has_weight:
+            inflight.discard(key)
         peak = max(peak, len(inflight))
     return peak
 
@@ -169,6 +301,7 @@ class ExecutedSchedule:
     num_stages: int
     num_microbatches: int
     records: tuple[TaskRecord, ...]
+    virtual_stages: int = 1
 
     @property
     def num_clocks(self) -> int:
@@ -185,9 +318,20 @@ class ExecutedSchedule:
         """Idle share of stage-clock slots of the recorded clocks."""
         return clock_bubble_fraction(self.clocks, self.num_stages)
 
+    @property
+    def num_chunks(self) -> int:
+        """Stages of the model: `num_stages * virtual_stages`."""
+        return self.num_stages * self.virtual_stages
+
+    def theoretical_bubble_fraction(self) -> float:
+        """The literature's bubble for this schedule and shape (see the function)."""
+        return theoretical_bubble_fraction(
+            self.schedule, self.num_microbatches, self.num_stages, self.virtual_stages
+        )
+
     def max_inflight_microbatches(self, stage: int) -> int:
-        """Most activations `stage` held at once, read off the dispatch order."""
-        return max_inflight_microbatches([r.task for r in self.records], stage)
+        """Most activations group `stage` held at once, read off the dispatch order."""
+        return max_inflight_microbatches([r.task for r in self.records], stage, self.num_stages)
 
     def simulated_timeline(self) -> dict[Task, tuple[float, float]]:
         """Start and end of every task with measured durations and ideal overlap.
@@ -209,11 +353,12 @@ class ExecutedSchedule:
         timeline = {}
         for record in sorted(self.records, key=lambda r: r.clock):
             task = record.task
-            ready = max((end[d] for d in _dependencies(task, self.num_stages)), default=0.0)
-            start = max(ready, stage_free[task.stage])
+            group = task.stage % self.num_stages
+            ready = max((end[d] for d in _dependencies(task, self.num_chunks)), default=0.0)
+            start = max(ready, stage_free[group])
             finish = start + record.duration
             end[(task.stage, task.microbatch, task.kind)] = finish
-            stage_free[task.stage] = finish
+            stage_free[group] = finish
             timeline[task] = (start, finish)
         return timeline
 
@@ -226,8 +371,11 @@ class ExecutedSchedule:
 
 
 def _dependencies(task: Task, p: int) -> list[tuple[int, int, TaskKind]]:
+    """What `task` waits for, with `p` stages in the chain (chunks, when virtual)."""
     if task.kind is TaskKind.FORWARD:
         return [] if task.stage == 0 else [(task.stage - 1, task.microbatch, TaskKind.FORWARD)]
+    if task.kind is TaskKind.WEIGHT:
+        return [(task.stage, task.microbatch, TaskKind.BACKWARD)]
     deps = [(task.stage, task.microbatch, TaskKind.FORWARD)]
     if task.stage < p - 1:
         deps.append((task.stage + 1, task.microbatch, TaskKind.BACKWARD))

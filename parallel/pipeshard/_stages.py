@@ -32,15 +32,23 @@ class StagePlan:
 
     Attributes:
       stage_layer_ids: per stage, its contiguous layers.
-      device_counts: per stage, the size of its sub-mesh.
+      device_counts: per device group, the size of its sub-mesh.
+      virtual_stages: stages per device group; stage `s` runs on group
+        `s % len(device_counts)` (interleaved schedules).
     """
 
     stage_layer_ids: tuple[tuple[int, ...], ...]
     device_counts: tuple[int, ...]
+    virtual_stages: int = 1
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_layer_ids)
+
+    @property
+    def num_groups(self) -> int:
+        """Device groups: `num_stages / virtual_stages`."""
+        return len(self.device_counts)
 
     @property
     def stage_of_layer(self) -> tuple[int, ...]:
@@ -54,6 +62,7 @@ def construct_stages(
     num_devices: int,
     num_microbatches: int,
     timer: StageTimer | None,
+    virtual_stages: int = 1,
 ) -> StagePlan:
     """Groups `num_layers` layers into stages over `num_devices` devices.
 
@@ -63,15 +72,18 @@ def construct_stages(
       num_devices: devices to slice.
       num_microbatches: m, weighting the slowest stage in the automatic search.
       timer: measures a candidate stage; needed by `AutoStageOption` only.
+      virtual_stages: v; the option's stages are device groups, each running
+        v stages (for `ManualStageOption`, its layer groups are the stages
+        and its device counts the groups).
 
     Raises:
       ValueError: more stages than devices or layers, a stage count that
         does not divide the layers, or manual stages that do not match.
     """
     if isinstance(option, UniformStageOption):
-        return _uniform(option, num_layers, num_devices)
+        return _uniform(option, num_layers, num_devices, virtual_stages)
     if isinstance(option, ManualStageOption):
-        return _manual(option, num_layers, num_devices)
+        return _manual(option, num_layers, num_devices, virtual_stages)
     if isinstance(option, AutoStageOption):
         return _auto(option, num_layers, num_devices, num_microbatches, timer)
     raise TypeError(f"Unknown stage option {option!r}.")
@@ -92,23 +104,37 @@ def _check_stage_count(num_stages: int, num_layers: int, num_devices: int) -> No
         )
 
 
-def _uniform(option: UniformStageOption, num_layers: int, num_devices: int) -> StagePlan:
-    num_stages = option.num_stages or num_layers
-    _check_stage_count(num_stages, num_layers, num_devices)
+def _uniform(option: UniformStageOption, num_layers: int, num_devices: int, v: int) -> StagePlan:
+    if option.num_stages is None and num_layers % v:
+        raise ValueError(
+            f"virtual_stages={v} must divide the {num_layers} layers when "
+            "UniformStageOption gives one stage per layer; set UniformStageOption.num_stages."
+        )
+    num_groups = option.num_stages or num_layers // v
+    num_stages = num_groups * v
+    _check_stage_count(num_groups, num_layers, num_devices)
     if num_layers % num_stages:
         raise ValueError(
-            f"UniformStageOption(num_stages={num_stages}) must divide the {num_layers} layers "
-            "evenly; choose a divisor or use ManualStageOption."
+            f"UniformStageOption(num_stages={num_groups}) with virtual_stages={v} must divide "
+            f"the {num_layers} layers evenly into {num_stages} stages; choose a divisor or use "
+            "ManualStageOption."
         )
     per_stage = num_layers // num_stages
     layer_ids = tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(num_stages))
-    base, extra = divmod(num_devices, num_stages)
-    counts = tuple(base + (s < extra) for s in range(num_stages))
-    return StagePlan(stage_layer_ids=layer_ids, device_counts=counts)
+    base, extra = divmod(num_devices, num_groups)
+    counts = tuple(base + (s < extra) for s in range(num_groups))
+    return StagePlan(stage_layer_ids=layer_ids, device_counts=counts, virtual_stages=v)
 
 
-def _manual(option: ManualStageOption, num_layers: int, num_devices: int) -> StagePlan:
-    _check_stage_count(len(option.forward_stage_layer_ids), num_layers, num_devices)
+def _manual(option: ManualStageOption, num_layers: int, num_devices: int, v: int) -> StagePlan:
+    num_stages = len(option.forward_stage_layer_ids)
+    if len(option.submesh_device_counts) * v != num_stages:
+        raise ValueError(
+            f"ManualStageOption lists {num_stages} layer groups and "
+            f"{len(option.submesh_device_counts)} device counts; with virtual_stages={v} "
+            f"give {v} layer groups per device count."
+        )
+    _check_stage_count(num_stages // v, num_layers, num_devices)
     used = sum(option.forward_stage_layer_ids, ())
     if len(used) != num_layers:
         raise ValueError(
@@ -123,6 +149,7 @@ def _manual(option: ManualStageOption, num_layers: int, num_devices: int) -> Sta
     return StagePlan(
         stage_layer_ids=option.forward_stage_layer_ids,
         device_counts=option.submesh_device_counts,
+        virtual_stages=v,
     )
 
 
@@ -196,10 +223,10 @@ def _least_total_time(times, num_layers, num_devices, sizes, bound, num_stages):
     return min(finals, default=None)
 
 
-def slice_devices(devices: Sequence[jax.Device], counts: Sequence[int]) -> tuple[Mesh, ...]:
-    """One 1-D data-parallel mesh per stage, over consecutive devices."""
-    meshes, offset = [], 0
-    for count in counts:
-        meshes.append(Mesh(np.array(devices[offset : offset + count]), (DATA_AXIS,)))
+def slice_devices(devices: Sequence[jax.Device], plan: StagePlan) -> tuple[Mesh, ...]:
+    """The 1-D data-parallel mesh of every stage, one per group of consecutive devices."""
+    groups, offset = [], 0
+    for count in plan.device_counts:
+        groups.append(Mesh(np.array(devices[offset : offset + count]), (DATA_AXIS,)))
         offset += count
-    return tuple(meshes)
+    return tuple(groups[s % plan.num_groups] for s in range(plan.num_stages))

@@ -1,12 +1,14 @@
 """The CPU kernels: building them, and their work split into chunks."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
 import embedding
 from embedding import _cpu_kernels
+from embedding._stack_geometry import StackGeometry
 
 
 def test_a_failed_build_names_the_compiler_output(tmp_path, monkeypatch):
@@ -115,3 +117,50 @@ def test_chunked_kernels_match_float64(optimizer, devices, monkeypatch):
     got = embedding.gather_tables({"t": variables["t"].table}, specs, mesh, num_sc_per_device=1)
     np.testing.assert_allclose(got["t"][touched], new_w[touched], rtol=2e-5, atol=2e-4)
     np.testing.assert_array_equal(got["t"][~touched], w[~touched].astype(np.float32))
+
+
+@pytest.mark.parametrize("runs", [1, 3, 5, 8])
+def test_update_merges_runs_in_run_order(runs, monkeypatch):
+    """The owner's merge of several ascending runs (some empty, rows repeated
+    across runs) sums each row's gradients once, against float64, and leaves
+    untouched rows bit for bit."""
+    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
+    assert _cpu_kernels.enabled("cpu")  # builds and registers them
+    rows, dim, uniques, lr = 50, 4, 12, np.float32(0.25)
+    rng = np.random.default_rng(runs)
+    received = np.full((runs, uniques), rows, np.int32)
+    for r in range(runs):
+        if r % 3 == 1:
+            continue  # a source that sends nothing
+        chosen = np.sort(rng.choice(rows, rng.integers(1, uniques + 1), replace=False))
+        received[r, : len(chosen)] = chosen
+    grads = rng.standard_normal((runs * uniques, dim)).astype(np.float32)
+    table = rng.standard_normal((rows, dim)).astype(np.float32)
+    g = StackGeometry(
+        name="t",
+        optimizer=embedding.SGDOptimizerSpec(learning_rate=float(lr)),
+        devices=runs,
+        slots=1,
+        rows=rows,
+        dim=dim,
+        capacity=uniques,
+        minibatches=1,
+        uniques=uniques,
+        samples=1,
+        features=(),
+        table_dims=((0, dim),),
+    )
+    updated, _ = jax.jit(
+        lambda t: _cpu_kernels.apply_update(
+            g.optimizer, jnp.asarray(received.reshape(-1)), jnp.asarray(grads), t, (), lr, g
+        )
+    )(jnp.asarray(table))
+    flat = received.reshape(-1)
+    totals = np.zeros((rows, dim))
+    np.add.at(totals, flat[flat < rows], grads[flat < rows].astype(np.float64))
+    touched = np.isin(np.arange(rows), flat)
+    expected = table.astype(np.float64) - float(lr) * totals
+    np.testing.assert_allclose(
+        np.asarray(updated)[touched], expected[touched], rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(np.asarray(updated)[~touched], table[~touched])

@@ -206,7 +206,7 @@ def test_grain_workers_run_at_their_priority_and_hand_batches_over_in_place(data
 
 
 def _initialized_worker(out) -> None:
-    _grain._init_worker(0, 1, priority=pipelines.WorkerPriority.NORMAL)
+    _grain.init_grain_worker(0, 1, priority=pipelines.WorkerPriority.NORMAL)
     out.put(gc.get_freeze_count())
 
 

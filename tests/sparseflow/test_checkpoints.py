@@ -99,6 +99,57 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path):
         _restored(directory, run=other)
 
 
+def test_the_input_position_is_saved_by_grains_handler_and_restored(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {3: 3.0})
+    written = directory / "3" / "input" / "process_0-of-1.json"
+    assert written.read_text() == '{"next_batch": 1}'
+    assert "iterator_states" not in (directory / "3" / "metadata" / "metadata").read_text()
+    assert _restored(directory).iterator_state == b'{"next_batch": 1}'
+
+
+def test_a_checkpoint_of_the_earlier_format_is_refused_by_name(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 1.0})
+    # What earlier versions wrote: the positions in the metadata, no input item.
+    metadata_file = directory / "1" / "metadata" / "metadata"
+    metadata = json.loads(metadata_file.read_text())
+    metadata["iterator_states"] = ["eyJuZXh0X2JhdGNoIjogMX0="]
+    metadata_file.write_text(json.dumps(metadata))
+    for entry in (directory / "1" / "input").iterdir():
+        entry.unlink()
+    (directory / "1" / "input").rmdir()
+    with pytest.raises(CheckpointMismatchError, match="written by an earlier sparseflow"):
+        _restored(directory)
+
+
+def test_positions_saved_by_another_process_count_are_an_error_not_damage(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 1.0})
+    inputs = directory / "1" / "input"
+    (inputs / "process_0-of-1.json").rename(inputs / "process_0-of-2.json")
+    with pytest.raises(
+        CheckpointMismatchError, match=r"input positions of \[2\] processes, not of 1"
+    ):
+        _restored(directory)
+
+
+def test_a_missing_position_file_is_damage(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 1.0, 2: 2.0})
+    (directory / "2" / "input" / "process_0-of-1.json").unlink()
+    assert _restored(directory).step == 1
+
+
+def test_a_position_that_is_not_utf8_is_refused_before_saving(tmp_path):
+    checkpoints = Checkpoints(tmp_path / "checkpoints", run=RUN)
+    try:
+        with pytest.raises(ValueError, match="must be UTF-8"):
+            checkpoints.save(Snapshot(1, _snapshot(1, 1.0).arrays, b"\xff\xfe", {}))
+    finally:
+        checkpoints.close()
+
+
 def _train_options(data: str, checkpoints: Path, **overrides) -> _train.TrainOptions:
     options = dict(data=data, steps=2, progress=False, pipelined=False, checkpoint_dir=checkpoints)
     return _train.TrainOptions(**(options | overrides))

@@ -151,6 +151,12 @@ def _assert_user_error(capsys, argv, message: str) -> None:
     assert err.count("\n") == 1
 
 
+def test_more_shards_than_examples_is_a_user_error(tmp_path, capsys):
+    argv = ["make-data", "--config", str(_config(tmp_path)), "--examples", "3", "--shards", "4"]
+    _assert_user_error(capsys, argv, "error: 4 shards cannot each hold one of 3 examples")
+    assert not (tmp_path / "data").exists()
+
+
 def test_limit_breach_is_a_user_error(tmp_path, capsys):
     config = _config(tmp_path, limit=1)
     _assert_user_error(capsys, ["stats", "--config", str(config), "--batches", "1"], "'a_b'")
@@ -188,13 +194,26 @@ def test_dataset_of_other_features_is_a_user_error(tmp_path, capsys):
     _assert_user_error(capsys, ["stats", "--config", str(config)], "made for other features")
 
 
-def test_unexpected_errors_keep_their_traceback(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bug", [RuntimeError, ValueError, FileNotFoundError])
+def test_a_bug_is_an_internal_error_not_a_user_error(tmp_path, monkeypatch, capsys, bug):
     def broken(*args, **kwargs):
-        raise RuntimeError("bug")
+        raise bug("bug")
 
     monkeypatch.setattr(_stats_report, "dataset_exists", broken)
-    with pytest.raises(RuntimeError, match="bug"):
-        _cli.main(["stats", "--config", str(_config(tmp_path))])
+    assert _cli.main(["stats", "--config", str(_config(tmp_path))]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"internal error: {bug.__name__}: bug\n")
+    assert "rerun with --verbose" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bug", [RuntimeError, ValueError])
+def test_a_bug_raises_with_its_traceback_when_verbose(tmp_path, monkeypatch, bug):
+    def broken(*args, **kwargs):
+        raise bug("bug")
+
+    monkeypatch.setattr(_stats_report, "dataset_exists", broken)
+    with pytest.raises(bug, match="bug"):
+        _cli.main(["stats", "--verbose", "--config", str(_config(tmp_path))])
 
 
 @pytest.mark.parametrize("command", ["demo", "stats"])
@@ -306,9 +325,12 @@ def test_the_crash_hook_is_hidden_from_help(capsys):
         (["train", "--config", "demo", "--num-processes", "-1"], "must be a positive integer"),
         (["train", "--config", "demo", "--agreement-port", "-5"], "must be an integer >= 0"),
         (["fdo", "--config", "demo", "--dask-workers", "0"], "must be a positive integer"),
+        (["make-data", "--config", "demo", "--formats", "parquet"], "got 'parquet'"),
+        (["make-data", "--config", "demo", "--formats", "tfrecord,tfrecord"], "at most once"),
+        (["make-data", "--config", "demo", "--formats", ","], "at least one"),
     ],
 )
-def test_integer_flags_are_validated(argv, message, capsys):
+def test_flags_are_validated(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         _cli._parser().parse_args(argv)
     assert exit_.value.code == 2

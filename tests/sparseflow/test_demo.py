@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+import runpy
 from pathlib import Path
 
 import pytest
 import yaml
+from png_checks import assert_drawn_png
 
 from sparseflow import _cli, _demo_folder, shipped_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _small_demo_config(tmp_path: Path) -> Path:
@@ -20,7 +24,7 @@ def _small_demo_config(tmp_path: Path) -> Path:
     return config
 
 
-def test_demo_runs_the_whole_job(tmp_path, capsys):
+def test_demo_runs_the_whole_job(tmp_path, capsys, monkeypatch):
     config = _small_demo_config(tmp_path)
     # Folders of the user's beside the dataset, with the names the demo writes inside its own.
     users = [tmp_path / "fdo" / "fdo_stats-offline-1.json", tmp_path / "checkpoints" / "7"]
@@ -44,6 +48,17 @@ def test_demo_runs_the_whole_job(tmp_path, capsys):
     assert checkpoints[-1] == 6  # 4 steps + 2 draining calls of the pipeline
     assert any((run / "metrics").iterdir())
     assert [path.read_text() for path in users] == ["the user's"] * len(users)
+    assert f"metrics: tensorboard --logdir {run / 'metrics'}" in out
+    assert f"pictures: {run / 'fdo.png'}  {run / 'training.png'}" in out
+    assert_drawn_png(run / "fdo.png", "tab:red")  # the FDO limit lines
+    assert_drawn_png(run / "training.png", "tab:blue")  # the loss and AUC lines
+
+    # docs/make_images.py redraws them from the run with the same functions.
+    images = tmp_path / "images"
+    monkeypatch.setattr("sys.argv", ["make_images", "--config", str(config), "--out", str(images)])
+    runpy.run_path(str(REPO / "docs" / "make_images.py"), run_name="__main__")
+    for name in ("fdo.png", "training.png"):
+        assert (images / name).read_bytes() == (run / name).read_bytes()
 
 
 def test_demo_refuses_a_run_folder_it_did_not_create(tmp_path, capsys):

@@ -5,52 +5,21 @@ import json
 import socket
 from pathlib import Path
 
+import fsspec
 import jax
 import numpy as np
 import pytest
 import yaml
 from jax.sharding import Mesh
+from tiny_config import tiny_config
 
 import embedding
 import pipelines
 from sparseflow import RunConfig, _cli, _train, load_config
 
 
-def _config(tmp_path: Path) -> Path:
-    """A tiny run on 4 devices x 2 partitions: `a` (two features) stacked with `b`."""
-    table = {
-        "embedding_dim": 8,
-        "combiner": "sum",
-        "optimizer": {"type": "sgd", "learning_rate": 0.1},
-        "initializer": {"type": "constant", "value": 0.0},
-        "max_ids_per_partition": 64,
-        "max_unique_ids_per_partition": 64,
-    }
-    raw = {
-        "name": "tiny",
-        "seed": 0,
-        "mesh": {"devices": 4, "partitions_per_device": 2},
-        "global_batch_size": 32,
-        "tables": [
-            {"name": "a", "vocabulary_size": 100, **table},
-            {"name": "b", "vocabulary_size": 50, **table},
-        ],
-        "stacks": [["a", "b"]],
-        "features": [
-            {"name": "fa1", "table": "a", "valency": [1, 3]},
-            {"name": "fa2", "table": "a", "valency": [1, 2]},
-            {"name": "fb", "table": "b", "valency": [1, 1], "weighted": True},
-        ],
-        "dense_features": 2,
-        "dataset": {"dir": "data", "examples": 150, "eval_examples": 10, "shards": 2},
-    }
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
 def test_fdo_writes_stats_for_the_config_and_a_figure(tmp_path, capsys):
-    config_path = _config(tmp_path)
+    config_path = tiny_config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
         config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
@@ -88,9 +57,38 @@ def test_fdo_writes_stats_for_the_config_and_a_figure(tmp_path, capsys):
     assert (out / "dead_letters.jsonl").read_text() == ""
 
 
+def _fdo_stats(config_path: Path, data: str, out: Path) -> embedding.FdoStats:
+    argv = ["fdo", "--config", str(config_path), "--data", data, "--out", str(out)]
+    assert _cli.main([*argv, "--", "--direct_num_workers=1"]) == 0
+    return embedding.load_fdo_stats(out, expected_config_hash=None, expected_geometry=None)
+
+
+@pytest.mark.parametrize("protocol", ["file", "memory"])
+def test_fdo_reads_the_data_from_an_fsspec_url(tmp_path, protocol):
+    config_path = tiny_config(tmp_path)
+    config = load_config(config_path)
+    files = pipelines.write_synthetic_dataset(
+        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+    )["arrayrecord"]
+    if protocol == "file":
+        url = Path(files[0]).parent.as_uri()
+    else:
+        memory = fsspec.filesystem("memory")
+        url = f"memory://{tmp_path.name}/arrayrecord"
+        for path in files:
+            memory.put_file(path, f"{url}/{Path(path).name}")
+    local = _fdo_stats(config_path, str(Path(files[0]).parent), tmp_path / "fdo-local")
+    remote = _fdo_stats(config_path, url, tmp_path / "fdo-url")
+    assert remote.batches == local.batches == 4
+    np.testing.assert_array_equal(
+        remote.stacks["a_b"].partition_histogram, local.stacks["a_b"].partition_histogram
+    )
+    assert embedding.fdo_limits(remote) == embedding.fdo_limits(local)
+
+
 def test_fdo_without_record_files_is_a_user_error(tmp_path, capsys):
     status = _cli.main(
-        ["fdo", "--config", str(_config(tmp_path)), "--data", str(tmp_path / "none*.tfrecord")]
+        ["fdo", "--config", str(tiny_config(tmp_path)), "--data", str(tmp_path / "none*.tfrecord")]
     )
     assert status == 2
     assert capsys.readouterr().err.startswith("error: No files match")
@@ -105,7 +103,7 @@ def _changed(config_path: Path, name: str, change) -> RunConfig:
 
 
 def test_stats_serve_a_new_learning_rate_and_refuse_a_new_vocabulary(tmp_path, capsys):
-    config_path = _config(tmp_path)
+    config_path = tiny_config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
         config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
@@ -158,7 +156,7 @@ def _stats_document(out: Path) -> dict:
 
 def test_fdo_on_a_local_dask_cluster_writes_the_in_process_stats(tmp_path, capsys):
     pytest.importorskip("distributed")
-    config_path = _config(tmp_path)
+    config_path = tiny_config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
         config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
@@ -183,7 +181,7 @@ def test_fdo_names_an_unreachable_dask_scheduler_in_one_line(tmp_path, capsys, m
     with socket.socket() as unused:  # a port nothing listens on
         unused.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{unused.getsockname()[1]}"
-    argv = ["fdo", "--config", str(_config(tmp_path)), "--runner", "dask"]
+    argv = ["fdo", "--config", str(tiny_config(tmp_path)), "--runner", "dask"]
     status = _cli.main([*argv, "--dask-address", address])
     error = capsys.readouterr().err
     assert status == 2
@@ -192,6 +190,6 @@ def test_fdo_names_an_unreachable_dask_scheduler_in_one_line(tmp_path, capsys, m
 
 
 def test_dask_options_without_the_dask_runner_are_a_user_error(tmp_path, capsys):
-    argv = ["fdo", "--config", str(_config(tmp_path)), "--dask-workers", "2"]
+    argv = ["fdo", "--config", str(tiny_config(tmp_path)), "--dask-workers", "2"]
     assert _cli.main(argv) == 2
     assert "need --runner dask" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 Every model has a `loss(params, batch)` with boundary markers, `init`
 parameters and a `batch`. `train_step(value_and_grad, tx)` builds the same
 step around either `jax.value_and_grad` (the unparallelized reference) or
-`pipeshard.value_and_grad`.
+`pipeshard.value_and_grad`. `check_dependencies` checks a schedule's clocks.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from parallel import pipeshard
+from parallel.pipeshard import TaskKind
 
 
 class TrainState(NamedTuple):
@@ -37,25 +38,26 @@ def _normal(rng, shape, scale=1.0):
     return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
 
 
-# ---- MLP: 4 tanh layers with a boundary between each -------------------------
+# ---- MLP: tanh layers (4 by default) with a boundary between each ------------
 
 MLP_LAYERS = 4
 
 
-def mlp_init(rng, width=8, tied=False):
-    params = {f"w{i}": _normal(rng, (width, width), width**-0.5) for i in range(MLP_LAYERS)}
-    params |= {f"b{i}": _normal(rng, (width,), 0.1) for i in range(MLP_LAYERS)}
+def mlp_init(rng, width=8, tied=False, layers=MLP_LAYERS):
+    params = {f"w{i}": _normal(rng, (width, width), width**-0.5) for i in range(layers)}
+    params |= {f"b{i}": _normal(rng, (width,), 0.1) for i in range(layers)}
     if tied:  # The last layer reuses the first layer's weights, transposed.
-        del params[f"w{MLP_LAYERS - 1}"]
+        del params[f"w{layers - 1}"]
     return params
 
 
 def mlp_loss(params, batch):
     h = batch["x"]
-    for i in range(MLP_LAYERS):
+    layers = sum(name.startswith("b") for name in params)
+    for i in range(layers):
         w = params[f"w{i}"] if f"w{i}" in params else params["w0"].T
         h = jnp.tanh(h @ w + params[f"b{i}"])
-        if i < MLP_LAYERS - 1:
+        if i < layers - 1:
             pipeshard.mark_pipeline_boundary()
     return jnp.mean((h - batch["y"]) ** 2)
 
@@ -119,3 +121,28 @@ def transformer_batch(rng, size=16):
         "tokens": rng.integers(0, VOCAB, (size, SEQ)).astype(np.int32),
         "labels": rng.integers(0, VOCAB, (size, SEQ)).astype(np.int32),
     }
+
+
+def check_dependencies(clocks, p, v=1):
+    """Every task once, after its inputs; one task per device group per clock.
+
+    Returns `{(stage, microbatch, kind): clock}`.
+    """
+    chunks = p * v
+    done_at = {}
+    for clock, tasks in enumerate(clocks):
+        assert len({t.stage % p for t in tasks}) == len(tasks), "a group runs two tasks at once"
+        for task in tasks:
+            key = (task.stage, task.microbatch, task.kind)
+            assert key not in done_at
+            done_at[key] = clock
+    for (stage, k, kind), clock in done_at.items():
+        if kind is TaskKind.FORWARD and stage > 0:
+            assert done_at[(stage - 1, k, TaskKind.FORWARD)] < clock
+        if kind is TaskKind.BACKWARD:
+            assert done_at[(stage, k, TaskKind.FORWARD)] < clock
+            if stage < chunks - 1:
+                assert done_at[(stage + 1, k, TaskKind.BACKWARD)] < clock
+        if kind is TaskKind.WEIGHT:
+            assert done_at[(stage, k, TaskKind.BACKWARD)] < clock
+    return done_at

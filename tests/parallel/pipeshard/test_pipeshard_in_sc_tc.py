@@ -126,11 +126,12 @@ def _initial_train_state(mesh):
     return jax.device_put(TcTrainState.create(params, TX), replicated)
 
 
-def _run(tc, *, one_program):
+def _run(tc, *, one_program, host_driven=False):
     """`NUM_BATCHES` batches through `parallel.step` eagerly.
 
     With `one_program`, the boundary calls run the TC stage too and discard
-    it with `gradient_multiplier` instead of skipping it.
+    it with `gradient_multiplier` instead of skipping it. With
+    `host_driven`, through `parallel.host_driven_step` instead.
 
     Returns:
       (losses of the valid calls, final dense params, final logical tables).
@@ -142,6 +143,12 @@ def _run(tc, *, one_program):
     train_state = _initial_train_state(mesh)
     tables = embedding.init_embedding_variables(jax.random.key(3), specs, mesh, num_sc_per_device=1)
     state = parallel.get_initial_state(batches[0], train_state, tables, sc_fwd, tc)
+    run_step = (
+        parallel.host_driven_step(sc_fwd, tc, sc_bwd)
+        if host_driven
+        else functools.partial(parallel.step, sc_fwd_function=sc_fwd, tc_function=tc,
+                               sc_bwd_function=sc_bwd)
+    )  # fmt: skip
     losses = []
     for t in range(parallel.get_pipeline_train_steps(NUM_BATCHES)):
         valid = parallel.is_output_valid(t, NUM_BATCHES)
@@ -151,11 +158,8 @@ def _run(tc, *, one_program):
             else {"fake_tc_step": not valid}
         )
         out, _, train_state, tables, state = jax.block_until_ready(
-            parallel.step(
-                batches[t] if t < NUM_BATCHES else dummy,
-                train_state, tables, state, sc_fwd, tc, sc_bwd, **flags,
-            )
-        )  # fmt: skip
+            run_step(batches[t] if t < NUM_BATCHES else dummy, train_state, tables, state, **flags)
+        )
         if valid:
             losses.append(float(out))
     logical = embedding.gather_tables(
@@ -176,10 +180,14 @@ def _initial_tables(specs, mesh):
     )["t"]
 
 
-@pytest.mark.parametrize("one_program", [False, True], ids=["fake_tc_step", "multiplier"])
-def test_pipeshard_tc_stage_matches_plain_tc_stage(one_program):
+@pytest.mark.parametrize(
+    ("one_program", "host_driven"),
+    [(False, False), (True, False), (False, True)],
+    ids=["fake_tc_step", "multiplier", "host_driven_step"],
+)
+def test_pipeshard_tc_stage_matches_plain_tc_stage(one_program, host_driven):
     tc = _pipeshard_tc()
-    losses, params, tables = _run(tc, one_program=one_program)
+    losses, params, tables = _run(tc, one_program=one_program, host_driven=host_driven)
     want_losses, want_params, want_tables = _run(_reference_tc(), one_program=one_program)
     assert losses.shape == (NUM_BATCHES,)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -204,3 +212,52 @@ def test_pipeshard_tc_stage_rejects_a_foreign_train_state():
     params = jax.device_get(_initial_train_state(mesh).params)
     with pytest.raises(TypeError, match="TcTrainState"):
         _pipeshard_tc()(activations, batch.dense_inputs, (params, TX.init(params)))
+
+
+def _traced_step_inputs():
+    mesh, specs = _setup()
+    sc_fwd, _ = _sparse_stages()
+    batch = _batch(0, specs, mesh)
+    train_state = _initial_train_state(mesh)
+    tables = embedding.init_embedding_variables(jax.random.key(3), specs, mesh, num_sc_per_device=1)
+    state = parallel.get_initial_state(batch, train_state, tables, sc_fwd, _pipeshard_tc())
+    return batch, train_state, tables, state
+
+
+@pytest.mark.parametrize("how", ["jit_step", "jax.jit", "eval_shape"])
+def test_pipeshard_tc_stage_refuses_to_be_traced(how):
+    """No silent fallback to an unpipelined dense stage under a trace."""
+    batch, train_state, tables, state = _traced_step_inputs()
+    sc_fwd, sc_bwd = _sparse_stages()
+    tc = _pipeshard_tc()
+    with pytest.raises(pipeshard.HostDrivenStageError, match="host_driven_step"):
+        if how == "jit_step":
+            parallel.jit_step(sc_fwd, tc, sc_bwd, donate=False)(
+                batch, train_state, tables, state, fake_tc_step=False
+            )
+        elif how == "jax.jit":
+            jax.jit(
+                parallel.step,
+                static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function",
+                                 "fake_tc_step"),
+            )(batch, train_state, tables, state, sc_fwd_function=sc_fwd, tc_function=tc,
+              sc_bwd_function=sc_bwd, fake_tc_step=False)  # fmt: skip
+        else:
+            last = state.last_step_inputs
+            jax.eval_shape(tc, last.embedding_activations, batch.dense_inputs, train_state)
+
+
+def test_pipeshard_tc_stage_gives_its_shapes_untraced():
+    """`get_initial_state` reads the shapes off `shape_function`, never the pipeline."""
+    _, train_state, _, state = _traced_step_inputs()
+    assert state.step_before_last_step_inputs.embedding_gradients["f"].shape == (BATCH, DIM)
+    assert state.placeholder_output.shape == ()
+    assert jax.tree.structure(state.placeholder_tc_aux) == jax.tree.structure(train_state.step)
+
+
+def test_host_driven_step_refuses_a_gradient_multiplier():
+    batch, train_state, tables, state = _traced_step_inputs()
+    sc_fwd, sc_bwd = _sparse_stages()
+    run_step = parallel.host_driven_step(sc_fwd, _pipeshard_tc(), sc_bwd)
+    with pytest.raises(ValueError, match="no gradient_multiplier"):
+        run_step(batch, train_state, tables, state, fake_tc_step=False, gradient_multiplier=1.0)
