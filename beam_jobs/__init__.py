@@ -36,7 +36,7 @@ from beam_jobs._combiners import (
     histogram_percentiles,
 )
 from beam_jobs._import_sources import InputFormat, first_line, parquet_spec
-from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._job_config import FdoJobConfig, TrainingOrder
 from beam_jobs._lines import BadLine, split_line
 from beam_jobs._transforms import (
     METRICS_NAMESPACE,
@@ -87,6 +87,7 @@ __all__ = [
     "PartialCombineFn",
     "ReadGlobalBatches",
     "SparseRows",
+    "TrainingOrder",
     "WriteDeadLetters",
     "WriteFdoStatsFile",
     "criteo_spec",

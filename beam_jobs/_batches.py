@@ -159,12 +159,20 @@ def slice_rows(rows: SparseRows, start: int, stop: int) -> SparseRows:
 
 def keep_rows(rows: SparseRows, keep: np.ndarray) -> SparseRows:
     """The rows where `keep` (`bool[rows]`) is true, in order."""
+    return take_rows(rows, np.flatnonzero(keep))
+
+
+def take_rows(rows: SparseRows, indices: np.ndarray) -> SparseRows:
+    """The rows at `indices` (`int[k]`, repeats allowed), in that order."""
 
     def take(ragged: RaggedIds) -> RaggedIds:
-        lengths = np.diff(ragged.row_splits)
-        splits = np.zeros(np.count_nonzero(keep) + 1, np.int64)
-        np.cumsum(lengths[keep], out=splits[1:])
-        return RaggedIds(ragged.values[np.repeat(keep, lengths)], splits)
+        starts = ragged.row_splits[:-1][indices]
+        lengths = ragged.row_splits[1:][indices] - starts
+        splits = np.zeros(len(indices) + 1, np.int64)
+        np.cumsum(lengths, out=splits[1:])
+        # Entry i of the output row r is entry starts[r] + i of the input.
+        positions = np.arange(splits[-1]) + np.repeat(starts - splits[:-1], lengths)
+        return RaggedIds(ragged.values[positions], splits)
 
     return _map_rows(rows, take)
 
@@ -241,6 +249,22 @@ def _first_bad(ragged: RaggedIds, bad: np.ndarray) -> list[tuple[int, object]]:
     return list(zip(first_rows.tolist(), ragged.values[positions[first]].tolist()))
 
 
+class RangeCheck(NamedTuple):
+    """What the first pass learns of a range.
+
+    Attributes:
+      records: records in the range.
+      bad: `int64[k]` the bad records' indices in the range, increasing.
+    """
+
+    records: int
+    bad: np.ndarray
+
+    @property
+    def good(self) -> int:
+        return self.records - self.bad.size
+
+
 class RangeOffsets(NamedTuple):
     """Where each range's good records start in the numbering of all good records.
 
@@ -253,12 +277,12 @@ class RangeOffsets(NamedTuple):
     total: int
 
 
-def range_offsets(good_counts: Iterable[tuple[tuple[int, int], int]]) -> RangeOffsets:
-    """Prefix sums of `(RecordRange.key, good records)` pairs, in record order."""
+def range_offsets(checks: Iterable[tuple[tuple[int, int], RangeCheck]]) -> RangeOffsets:
+    """Prefix sums of the good records of `(RecordRange.key, RangeCheck)` pairs, in record order."""
     first, total = {}, 0
-    for key, count in sorted(good_counts):
+    for key, check in sorted(checks, key=lambda pair: pair[0]):
         first[key] = total
-        total += count
+        total += check.good
     return RangeOffsets(first, total)
 
 

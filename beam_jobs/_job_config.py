@@ -12,6 +12,26 @@ DEFAULT_RECORDS_PER_RANGE = 8192
 DEFAULT_TOP_K = 20
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingOrder:
+    """How training orders the records (its Grain input path), for the job to follow.
+
+    Attributes:
+      shuffle_seed: training's shuffle seed, or None for file order.
+      epochs: passes over the data training makes (the job computes stats
+        over the batches of all of them).
+    """
+
+    shuffle_seed: int | None
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        # The same checks as the training input's.
+        pipelines.BatchingConfig(
+            global_batch_size=1, num_epochs=self.epochs, shuffle_seed=self.shuffle_seed
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class FdoJobConfig:
     """The run the FDO job computes stats for.
@@ -28,6 +48,11 @@ class FdoJobConfig:
         parallelism; a file of R records is read as ceil(R / this) ranges).
       fdo_layout: what the stats depend on (`embedding.fdo_layout`), written
         into the stats file: a run of the same layout may use them.
+      training_order: training's record order: the job then forms exactly
+        the batches training draws (`beam_jobs._training_batches`) and
+        the stats say so (`FdoStats.batch_order`). None: the batches of the
+        good records in file order (`beam_jobs._batches`), for input
+        paths whose order the job does not know.
     """
 
     feature_specs: Mapping[str, embedding.FeatureSpec]
@@ -37,6 +62,7 @@ class FdoJobConfig:
     top_k: int = DEFAULT_TOP_K
     records_per_range: int = DEFAULT_RECORDS_PER_RANGE
     fdo_layout: embedding.FdoLayout | None = None
+    training_order: TrainingOrder | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_specs", dict(self.feature_specs))

@@ -3,6 +3,12 @@
   record files -> ReadGlobalBatches -> ComputeBatchStats -> CombineFdoStats
                   (+ dead letters)                          -> WriteFdoStatsFile
 
+ReadGlobalBatches forms training's batches when the job knows training's
+order (`FdoJobConfig.training_order`): every record goes to its batch of
+every epoch through one GroupByKey (`_training_batches`). Otherwise it forms
+the batches of the good records in file order: ranges cut at batch
+boundaries, fragments joined (`_batches`).
+
 Counters (Beam metrics, namespace `METRICS_NAMESPACE`): `records` read,
 `bad_records` sent to the dead letters, `tail_records` of the dropped last
 partial batch, `batches` whose stats were computed.
@@ -16,6 +22,7 @@ value), and dead letters are written in two steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 import shutil
@@ -23,6 +30,7 @@ import uuid
 from collections.abc import Iterable
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindows
@@ -30,6 +38,7 @@ from apache_beam.transforms.window import GlobalWindows
 import embedding
 from beam_jobs._batch_stats import BatchStatsComputer
 from beam_jobs._batches import (
+    RangeCheck,
     RangeOffsets,
     RecordRange,
     batch_fragments,
@@ -41,14 +50,16 @@ from beam_jobs._batches import (
 )
 from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn
 from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._training_batches import TrainingBatchPlan, batch_parts, join_parts
 
 METRICS_NAMESPACE = "sparseflow.fdo"
 _DEAD_LETTERS = "dead_letters"
+BATCH_PARTS = ("batches", "whole_batches", "joined_batches")
 _FRAGMENTS = "fragments"
 
 
-class _CountGoodRecordsFn(beam.DoFn):
-    """A range -> `(range key, good records)`; its bad records as dead letters."""
+class _CheckRecordsFn(beam.DoFn):
+    """A range -> `(range key, RangeCheck)`; its bad records as dead letters."""
 
     def __init__(self, config: FdoJobConfig):
         self._layout = config.layout
@@ -70,7 +81,8 @@ class _CountGoodRecordsFn(beam.DoFn):
                     "reason": reason,
                 },
             )
-        yield record_range.key, rows.num_rows
+        bad = np.array([index for index, _ in problems], np.int64)
+        yield record_range.key, RangeCheck(len(records), bad)
 
 
 class _CutIntoBatchesFn(beam.DoFn):
@@ -98,6 +110,23 @@ class _CutIntoBatchesFn(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(_FRAGMENTS, (batch, (offset, fragment)))
 
 
+class _PlaceRecordsFn(beam.DoFn):
+    """A range -> `(batch, (sort keys, rows))`: its good records, sent to their batches."""
+
+    def __init__(self, config: FdoJobConfig):
+        self._layout = config.layout
+        self._vocabulary_sizes = config.vocabulary_sizes
+        self._tail_records = Metrics.counter(METRICS_NAMESPACE, "tail_records")
+
+    def process(self, record_range: RecordRange, plan: TrainingBatchPlan):
+        records = read_range(record_range)
+        rows, problems = check_records(records, self._layout, self._vocabulary_sizes)
+        good = np.setdiff1d(np.arange(len(records)), [index for index, _ in problems])
+        batches, keys, index, tail = plan.rows(good + plan.first_record[record_range.key])
+        self._tail_records.inc(tail)
+        yield from batch_parts(rows, batches, keys, index)
+
+
 def _split(indexed_file: tuple[int, str], records_per_range: int) -> list[RecordRange]:
     return split_file(*indexed_file, records_per_range)
 
@@ -105,6 +134,11 @@ def _split(indexed_file: tuple[int, str], records_per_range: int) -> list[Record
 def _joined(batch_and_fragments: tuple[int, Iterable], batch_size: int):
     batch, fragments = batch_and_fragments
     return batch, join_fragments(batch, fragments, batch_size)
+
+
+def _joined_parts(batch_and_parts: tuple[int, Iterable], batch_size: int):
+    batch, parts = batch_and_parts
+    return batch, join_parts(batch, parts, batch_size)
 
 
 class _Redistribute(beam.PTransform):
@@ -131,12 +165,15 @@ class _Redistribute(beam.PTransform):
 class ReadGlobalBatches(beam.PTransform):
     """Record files -> `(batch number, SparseRows)` for every whole global batch.
 
-    See `beam_jobs._batches` for which batches these are. The output is a
-    dict: the batches in two parts, "whole_batches" (read within one range)
-    and "joined_batches" (joined from fragments of several ranges), and
-    "dead_letters" (`{"file", "record_index", "reason"}` per bad record).
-    The parts are left apart so that the per-batch work fuses with the
-    reading: the in-process runner would hold a Flatten's inputs in memory.
+    See `beam_jobs._training_batches` (with a training order) and
+    `beam_jobs._batches` (without) for which batches these are. The output
+    is a dict: "dead_letters" (`{"file", "record_index", "reason"}` per bad
+    record) and the batches in parts (`BATCH_PARTS`). With a training order,
+    one part, "batches", and "batch_order" (one `embedding.FdoBatchOrder`).
+    Without, "whole_batches" (read within one range) and "joined_batches"
+    (joined from fragments of several ranges), left apart so that the
+    per-batch work fuses with the reading: the in-process runner would hold
+    a Flatten's inputs in memory.
     """
 
     def __init__(self, files: list[str], config: FdoJobConfig):
@@ -146,24 +183,14 @@ class ReadGlobalBatches(beam.PTransform):
 
     def expand(self, pbegin):
         config = self._config
-        # Files, then ranges, are spread over the workers: counting the records
-        # of a TFRecord file reads it.
-        ranges = (
-            pbegin
-            | "Start" >> beam.Impulse()
-            | "ListFiles" >> beam.FlatMap(lambda _, files: enumerate(files), self._files)
-            | "DistributeFiles" >> _Redistribute(lambda indexed_file: indexed_file[0])
-            | "SplitFiles" >> beam.FlatMap(_split, config.records_per_range)
-            | "DistributeRanges" >> _Redistribute(lambda record_range: record_range.key)
+        ranges = self._ranges(pbegin)
+        checked = ranges | "CheckRecords" >> beam.ParDo(_CheckRecordsFn(config)).with_outputs(
+            _DEAD_LETTERS, main="checks"
         )
-        checked = ranges | "CheckRecords" >> beam.ParDo(_CountGoodRecordsFn(config)).with_outputs(
-            _DEAD_LETTERS, main="good_counts"
-        )
-        offsets = (
-            checked.good_counts
-            | "GatherGoodCounts" >> beam.combiners.ToList().without_defaults()
-            | "NumberRanges" >> beam.Map(range_offsets)
-        )
+        checks = checked.checks | "GatherChecks" >> beam.combiners.ToList().without_defaults()
+        if config.training_order is not None:
+            return self._training_batches(ranges, checks, checked[_DEAD_LETTERS])
+        offsets = checks | "NumberRanges" >> beam.Map(range_offsets)
         cut = ranges | "CutIntoBatches" >> beam.ParDo(
             _CutIntoBatchesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
         ).with_outputs(_FRAGMENTS, main="whole")
@@ -177,6 +204,40 @@ class ReadGlobalBatches(beam.PTransform):
             "joined_batches": joined,
             "dead_letters": checked[_DEAD_LETTERS],
         }
+
+    def _training_batches(self, ranges, checks, dead_letters):
+        config = self._config
+        plan = checks | "PlanTrainingBatches" >> beam.Map(
+            lambda checks, order, geometry: TrainingBatchPlan(order, geometry, checks),
+            config.training_order,
+            config.geometry,
+        )
+        batches = (
+            ranges
+            | "PlaceRecords"
+            >> beam.ParDo(_PlaceRecordsFn(config), plan=beam.pvalue.AsSingleton(plan))
+            | "GroupRecords" >> beam.GroupByKey()
+            | "JoinBatches" >> beam.Map(_joined_parts, config.geometry.global_batch_size)
+        )
+        return {
+            "batches": batches,
+            "dead_letters": dead_letters,
+            "batch_order": plan | "BatchOrder" >> beam.Map(lambda plan: plan.batch_order),
+        }
+
+    def _ranges(self, pbegin):
+        config = self._config
+        # Files, then ranges, are spread over the workers: counting the records
+        # of a TFRecord file reads it.
+        ranges = (
+            pbegin
+            | "Start" >> beam.Impulse()
+            | "ListFiles" >> beam.FlatMap(lambda _, files: enumerate(files), self._files)
+            | "DistributeFiles" >> _Redistribute(lambda indexed_file: indexed_file[0])
+            | "SplitFiles" >> beam.FlatMap(_split, config.records_per_range)
+            | "DistributeRanges" >> _Redistribute(lambda record_range: record_range.key)
+        )
+        return ranges
 
 
 class _BatchStatsFn(beam.DoFn):
@@ -270,9 +331,15 @@ class ComputeFdoStats(beam.PTransform):
         read = pbegin | "ReadGlobalBatches" >> ReadGlobalBatches(self._files, self._config)
         batch_stats = tuple(
             read[part] | f"ComputeBatchStats/{part}" >> ComputeBatchStats(self._config)
-            for part in ("whole_batches", "joined_batches")
+            for part in BATCH_PARTS
+            if part in read
         )
         stats = batch_stats | "CombineFdoStats" >> CombineFdoStats(self._config)
+        if "batch_order" in read:
+            stats = stats | "WithBatchOrder" >> beam.Map(
+                lambda stats, order: dataclasses.replace(stats, batch_order=order),
+                beam.pvalue.AsSingleton(read["batch_order"]),
+            )
         return {"stats": stats, "dead_letters": read["dead_letters"]}
 
 

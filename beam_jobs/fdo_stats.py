@@ -1,8 +1,10 @@
 """The offline FDO statistics job (docs/design.md section 8).
 
 Reads a dataset of `tf.train.Example` records (ArrayRecord or TFRecord),
-forms the run's global batches (file order, bad records skipped, the last
-partial batch dropped; see `beam_jobs._batches`), lays every host's share of
+forms the global batches training draws (its shuffle over its epochs, bad
+records' rows filled as training fills them; see `beam_jobs._training_batches`)
+or, without a training order, the good records' batches in file order (see
+`beam_jobs._batches`), lays every host's share of
 every batch out with the online preprocessing, and writes per stacked table
 the maxima per partition, percentiles of the per-batch maxima, a histogram
 of the per-partition max ids and per logical table the id frequencies, as

@@ -7,6 +7,7 @@ jax-tpu-embedding's names and signatures as aliases (docs/switching.md).
 from embedding import initializers, jte_compat
 from embedding._buffers import aligned_empty
 from embedding._errors import SparseflowError
+from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_client import (
     FdoClient,
     OnMismatch,
@@ -18,7 +19,22 @@ from embedding._fdo_client import (
 from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats, TableIdFrequency
 from embedding._fdo_geometry import FdoGeometry
 from embedding._fdo_layout import FdoLayout, fdo_layout
-from embedding._fdo_limits import StackLimits, apply_fdo, fdo_limits, set_stack_limits
+from embedding._fdo_limits import (
+    StackLimits,
+    apply_fdo,
+    batch_fdo_stats,
+    exceeds,
+    fdo_limits,
+    max_limits,
+    set_stack_limits,
+    stack_limits,
+)
+from embedding._fdo_raises import (
+    LimitRaises,
+    limit_raises_path,
+    load_limit_raises,
+    write_limit_raises,
+)
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._layout import LimitBreachError
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
@@ -76,6 +92,7 @@ __all__ = [
     "EmbeddingVariables",
     "FTRLOptimizerSpec",
     "FTRLSlots",
+    "FdoBatchOrder",
     "FdoClient",
     "FdoGeometry",
     "FdoLayout",
@@ -86,6 +103,7 @@ __all__ = [
     "InvalidIdPolicy",
     "LayoutIndex",
     "LimitBreachError",
+    "LimitRaises",
     "OnMismatch",
     "OptimizerSpec",
     "PreprocessedInput",
@@ -106,7 +124,9 @@ __all__ = [
     "aligned_empty",
     "apply_fdo",
     "apply_gradients",
+    "batch_fdo_stats",
     "coo_buffer_size_per_device",
+    "exceeds",
     "fdo_layout",
     "fdo_limits",
     "fdo_stats_file_name",
@@ -115,7 +135,10 @@ __all__ = [
     "init_embedding_variables",
     "initializers",
     "jte_compat",
+    "limit_raises_path",
     "load_fdo_stats",
+    "load_limit_raises",
+    "max_limits",
     "merge_fdo_stats",
     "preprocess_sparse_dense_matmul_input",
     "preprocessed_input_shapes",
@@ -123,7 +146,9 @@ __all__ = [
     "set_stack_limits",
     "shard_tables",
     "sparse_dense_matmul",
+    "stack_limits",
     "stack_tables",
     "table_key",
     "write_fdo_stats",
+    "write_limit_raises",
 ]

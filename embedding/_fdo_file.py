@@ -30,6 +30,9 @@ File format (JSON, UTF-8), version 1:
     },
     "layout": {"<entry>": <string, integer,      # optional: what the stats
                bool or list of integers>},       # depend on (`embedding.FdoLayout`)
+    "batch_order": {"records": R,                # optional, offline job only: the
+                    "shuffle_seed": int or null, # stats cover exactly the batches
+                    "epochs": E},                # of this order (`FdoBatchOrder`)
     "tables": {                                  # optional, offline job only
       "<logical table>": {"ids": int, "distinct_ids": int,
                           "top_ids": [[id, count], ...]}
@@ -76,6 +79,7 @@ import numpy as np
 
 from embedding._buffers import INT32_MAX
 from embedding._errors import SparseflowError
+from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
 from embedding._fdo_invariants import BATCH_MAX_PERCENTILES, check_stack
 from embedding._fdo_schema import (
@@ -182,6 +186,9 @@ class FdoStats:
       layout: what the stats depend on (`FdoLayout.entries`; may be empty):
         a run of the same layout may use them, and a mismatch names the
         entries that changed.
+      batch_order: the batches the stats cover exactly, when they are those
+        of a run's input order (offline job), else None (file-order batches
+        of unknown relation to the run's, or online stats).
 
     Raises:
       ValueError: stats of another shape than the geometry's, or that
@@ -195,6 +202,7 @@ class FdoStats:
     stacks: Mapping[str, StackFdoStats]
     tables: Mapping[str, TableIdFrequency] = dataclasses.field(default_factory=dict)
     layout: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    batch_order: FdoBatchOrder | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config_hash, str):
@@ -253,6 +261,11 @@ def _to_document(stats: FdoStats) -> dict:
             for name, t in stats.tables.items()
         },
         **({"layout": dict(stats.layout)} if stats.layout else {}),
+        **(
+            {"batch_order": dataclasses.asdict(stats.batch_order)}
+            if stats.batch_order is not None
+            else {}
+        ),
     }
 
 
@@ -275,7 +288,7 @@ def _from_document(document: Any) -> FdoStats:
             "stats with this sparseflow",
         )
     required = ("format", "version", "config_hash", "geometry", "batches", "stacks")
-    json_object(root, "", required=required, optional=("tables", "layout"))
+    json_object(root, "", required=required, optional=("tables", "layout", "batch_order"))
     if not isinstance(root["config_hash"], str):
         raise SchemaError("config_hash", f"must be a string, got {root['config_hash']!r}")
     geometry = _geometry(root["geometry"])
@@ -291,6 +304,19 @@ def _from_document(document: Any) -> FdoStats:
         },
         tables={name: _table(t, item("tables", name)) for name, t in tables.items()},
         layout=_layout(root.get("layout", {})),
+        batch_order=None if "batch_order" not in root else _batch_order(root["batch_order"]),
+    )
+
+
+def _batch_order(value: Any) -> FdoBatchOrder:
+    fields = json_object(value, "batch_order", required=("records", "shuffle_seed", "epochs"))
+    seed = fields["shuffle_seed"]
+    return FdoBatchOrder(
+        records=integer(fields["records"], "batch_order.records", high=INT64_MAX),
+        shuffle_seed=None
+        if seed is None
+        else integer(seed, "batch_order.shuffle_seed", high=2**32 - 1),
+        epochs=integer(fields["epochs"], "batch_order.epochs", high=INT64_MAX),
     )
 
 

@@ -12,6 +12,8 @@ import jax
 
 from embedding._buffers import INT32_MAX
 from embedding._fdo_file import FdoStats, StackFdoStats
+from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry
+from embedding._preprocess import SparseDenseMatmulInputStats
 from embedding._specs import FeatureSpec, check_positive_int, round_up
 from embedding._stacking import Nested, get_stacked_table_specs, prepare_feature_specs_for_training
 
@@ -85,7 +87,8 @@ def fdo_limits(
     15 values peaked at 16 ids per partition in 10 batches in file order and
     at 19 in 20 shuffled epochs, past the 18 a 1.1 headroom allows
     (`tests/embedding/test_fdo.py`). Repeats of one id cannot be split by
-    minibatching, so a breach there stops training.
+    minibatching. Stats that cover exactly the batches a run draws
+    (`FdoStats.batch_order`) need no spread margin (`spread_margin=0`).
 
     Raises:
       ValueError: a bad headroom, or one that takes a buffer past the int32
@@ -117,6 +120,49 @@ def _stack_limits(name: str, stack: StackFdoStats, slots: int, margins: _Margins
         ),
         suggested_coo_buffer_size_per_device=buffer,
     )
+
+
+def batch_fdo_stats(stats: SparseDenseMatmulInputStats, geometry: FdoGeometry) -> FdoStats:
+    """One host batch's layout stats as FDO stats (one batch, this host's rows)."""
+    stacks = {
+        name: StackFdoStats(**{field: getattr(stats, field)[name] for field in LIMIT_FIELDS})
+        for name in stats.max_ids_per_partition
+    }
+    return FdoStats(config_hash="", geometry=geometry, batches=1, stacks=stacks)
+
+
+def exceeds(needed: StackLimits, limits: StackLimits) -> bool:
+    """Whether limits `needed` exactly (`fdo_limits` at headroom 1, no margin) pass `limits`."""
+    buffer = limits.suggested_coo_buffer_size_per_device
+    return (
+        needed.max_ids_per_partition > limits.max_ids_per_partition
+        or needed.max_unique_ids_per_partition > limits.max_unique_ids_per_partition
+        or (buffer is not None and needed.suggested_coo_buffer_size_per_device > buffer)
+    )
+
+
+def max_limits(a: StackLimits, b: StackLimits) -> StackLimits:
+    """The larger of each limit (a buffer of None, the largest, stays None)."""
+    buffers = (a.suggested_coo_buffer_size_per_device, b.suggested_coo_buffer_size_per_device)
+    return StackLimits(
+        max_ids_per_partition=max(a.max_ids_per_partition, b.max_ids_per_partition),
+        max_unique_ids_per_partition=max(
+            a.max_unique_ids_per_partition, b.max_unique_ids_per_partition
+        ),
+        suggested_coo_buffer_size_per_device=None if None in buffers else max(buffers),
+    )
+
+
+def stack_limits(feature_specs: Nested) -> dict[str, StackLimits]:
+    """The limits the prepared specs' stacked tables carry, per stack."""
+    return {
+        name: StackLimits(
+            max_ids_per_partition=stack.max_ids_per_partition,
+            max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
+            suggested_coo_buffer_size_per_device=stack.suggested_coo_buffer_size_per_device,
+        )
+        for name, stack in get_stacked_table_specs(feature_specs).items()
+    }
 
 
 def set_stack_limits(

@@ -92,7 +92,15 @@ class StackLayout(NamedTuple):
 
 
 class LimitBreachError(SparseflowError, ValueError):
-    """A batch exceeds a table's limits or buffer and dropping is off."""
+    """A batch exceeds a table's limits or buffer and dropping is off.
+
+    Attributes:
+      batch_number: the global batch, where the input pipeline knows it
+        (`pipelines` sets it; it survives pickling from a worker process),
+        else None.
+    """
+
+    batch_number: int | None = None
 
 
 def _bits(max_value: int) -> int:

@@ -10,15 +10,17 @@ dense features and labels.
 one's own.
 """
 
-from pipelines._batching import BatchingConfig
+from pipelines._batching import BatchingConfig, BatchPlan
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
 from pipelines._errors import DataError
 from pipelines._grain import (
     GrainOptions,
     WorkerPriority,
+    batch_layout_stats,
     batch_record_indices,
     init_grain_worker,
     make_grain_iterator,
+    num_records,
 )
 from pipelines._grain_transforms import LayOutBatch, ParseRecords
 from pipelines._host_iterator import HostIterator
@@ -38,6 +40,7 @@ from pipelines._preprocess_stage import (
     PreprocessConfig,
 )
 from pipelines._records import RecordFileWriter, RecordFormat, list_record_files, read_records
+from pipelines._shuffle import batch_plan
 from pipelines._stats import BatchReport, PipelineStats
 from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synthetic_dataset
 from pipelines._tfdata import make_tfdata_iterator
@@ -47,6 +50,7 @@ __all__ = [
     "BadRecordError",
     "BadRecordPolicy",
     "BatchReport",
+    "BatchPlan",
     "BatchingConfig",
     "DataError",
     "DeviceBatch",
@@ -70,11 +74,14 @@ __all__ = [
     "SyntheticFeature",
     "TFDataPreprocess",
     "WorkerPriority",
+    "batch_layout_stats",
+    "batch_plan",
     "batch_record_indices",
     "init_grain_worker",
     "list_record_files",
     "make_grain_iterator",
     "make_tfdata_iterator",
+    "num_records",
     "pack",
     "packed_shape",
     "parse_examples",

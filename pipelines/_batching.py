@@ -94,6 +94,9 @@ class EpochOrder(Protocol):
     def __call__(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """`int64[k]` the record indices at `positions` (`int64[k]`) of `epoch`."""
 
+    def positions(self, epoch: int, records: np.ndarray) -> np.ndarray:
+        """`int64[k]` the positions of `records` (`int64[k]`) in `epoch`: the inverse."""
+
 
 class FileOrder:
     """The records in file order, the same in every epoch."""
@@ -101,6 +104,9 @@ class FileOrder:
     def __call__(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         del epoch
         return np.asarray(positions, np.int64)
+
+    def positions(self, epoch: int, records: np.ndarray) -> np.ndarray:
+        return self(epoch, records)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,6 +162,25 @@ class BatchPlan:
         self._check_batch(batch)
         epoch, index_in_epoch = divmod(batch, self.batches_per_epoch)
         return self.order(epoch, self._positions(index_in_epoch))
+
+    def batch_rows(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where `records` (`int64[k]`) go in every epoch: the inverse of `record_indices`.
+
+        Returns:
+          `(batch, row, index)`, each `int64[m]`: record `records[index]`
+          is row `row` (of all hosts' `B`) of global batch `batch`; records
+          in an epoch's dropped tail are left out. Ordered by epoch, then as
+          `records`.
+        """
+        records = np.asarray(records, np.int64)
+        size, per_epoch = self.config.global_batch_size, self.batches_per_epoch
+        found = []
+        for epoch in range(self.config.num_epochs):
+            positions = self.order.positions(epoch, records)
+            kept = np.flatnonzero(positions < per_epoch * size)
+            batch, row = np.divmod(positions[kept], size)
+            found.append((batch + epoch * per_epoch, row, kept))
+        return tuple(np.concatenate(parts) for parts in zip(*found, strict=True))
 
     def following_record_indices(self, batch: int) -> Iterator[np.ndarray]:
         """The records after `batch`'s rows in this host's share of its epoch.

@@ -36,6 +36,7 @@ import grain
 import numpy as np
 from absl import flags
 
+import embedding
 from parallel import allreduce
 from pipelines._array_record import ArrayRecordReader
 from pipelines._batching import BatchingConfig, BatchPlan
@@ -337,6 +338,28 @@ def batch_record_indices(
     """
     num_records = ArrayRecordReader(list_record_files(data)).files.num_records
     return batch_plan(num_records, batching).record_indices(batch_number)
+
+
+def num_records(data: PathOrPaths) -> int:
+    """Records of an ArrayRecord dataset, as `make_grain_iterator` numbers them."""
+    return ArrayRecordReader(list_record_files(data)).files.num_records
+
+
+def batch_layout_stats(
+    data: PathOrPaths, batching: BatchingConfig, preprocess: PreprocessConfig, batch_number: int
+) -> embedding.SparseDenseMatmulInputStats:
+    """The layout stats of this host's rows of a batch of `make_grain_iterator`, in this process.
+
+    The stats count every id, as they are before any dropping or minibatching:
+    what the batch needs of each table's limits.
+    """
+    reader = ArrayRecordReader(list_record_files(data))
+    plan = batch_plan(reader.files.num_records, batching)
+    counting = dataclasses.replace(
+        preprocess, allow_id_dropping=True, enable_minibatching=False, agreement=None
+    )
+    records = reader.read(plan.record_indices(batch_number))
+    return PreprocessStage(counting).layout_stats(batch_number, records, plan=plan, reader=reader)
 
 
 def _shared_buffers(

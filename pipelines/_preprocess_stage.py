@@ -409,7 +409,20 @@ class PreprocessStage:
             ) from error
         except ValueError as error:
             error.add_note(f"In {where}.")
+            if isinstance(error, embedding.LimitBreachError):
+                error.batch_number = batch_number
             raise
+
+    def layout_stats(
+        self, batch_number: int, records: list[bytes], *, plan: BatchPlan, reader: RecordReader
+    ) -> embedding.SparseDenseMatmulInputStats:
+        """The stats of this host's rows of a batch laid out (bad records as in `__call__`).
+
+        With dropping allowed (`PreprocessConfig.allow_id_dropping`), a batch
+        over the limits is counted as it is, before anything is dropped.
+        """
+        parsed, _, _ = self._parse(batch_number, records, plan, reader)
+        return self._preprocess(batch_number, parsed, _where(batch_number, plan))[1]
 
 
 class _Fill(NamedTuple):

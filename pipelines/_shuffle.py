@@ -9,6 +9,10 @@ even), its round keys from `std::seed_seq{seed}`, walking the cycle until
 the value is at most `R - 1`
 (grain/_src/python/experimental/index_shuffle/index_shuffle.cc). A test
 checks it against Grain position by position.
+
+`epoch_positions` inverts it: the rounds undone in reverse order, walking the
+cycle backwards, give the position each record takes in an epoch (what the
+FDO job needs to put every record into the batches training draws).
 """
 
 from __future__ import annotations
@@ -90,6 +94,26 @@ def _cycle_walk(values, keys, w, mask, max_index):
         values[i] = value
 
 
+@numba.njit(cache=True, nogil=True)
+def _cycle_walk_back(values, keys, w, mask, max_index):
+    """Decrypts each of `values` (in place) until it is at most `max_index`.
+
+    `_cycle_walk`'s inverse: the rounds undone in reverse order.
+    """
+    for i in range(values.size):
+        value = values[i]
+        while True:
+            left = (value >> w) & mask
+            right = value & mask
+            for r in range(keys.size - 2, -1, -2):
+                right ^= _round_function(left, w, mask) ^ keys[r + 1]
+                left ^= _round_function(right, w, mask) ^ keys[r]
+            value = (left << w) | right
+            if value <= max_index:
+                break
+        values[i] = value
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _round_function(x, w, mask):
     rotated_1, rotated_8 = _rotl(x, _ROTATE_1, w, mask), _rotl(x, _ROTATE_8, w, mask)
@@ -107,13 +131,22 @@ def shuffled_indices(indices: np.ndarray, max_index: int, seed: int) -> np.ndarr
     Equals `[index_shuffle(i, max_index=max_index, seed=seed, rounds=4) for i
     in indices]` of Grain's `index_shuffle_module`.
     """
+    return _permuted(indices, max_index, seed, _cycle_walk)
+
+
+def unshuffled_indices(indices: np.ndarray, max_index: int, seed: int) -> np.ndarray:
+    """`int64[k]` the inverse permutation of `shuffled_indices` at `indices`."""
+    return _permuted(indices, max_index, seed, _cycle_walk_back)
+
+
+def _permuted(indices: np.ndarray, max_index: int, seed: int, walk) -> np.ndarray:
     values = np.array(indices, np.uint64).reshape(-1)
     if max_index == 0:
         return np.zeros(values.shape, np.int64)
     w = _word_bits(max_index)
     mask = (1 << w) - 1
     keys = np.array([key & mask for key in _round_keys(seed)], np.uint64)
-    _cycle_walk(values, keys, np.uint64(w), np.uint64(mask), np.uint64(max_index))
+    walk(values, keys, np.uint64(w), np.uint64(mask), np.uint64(max_index))
     return values.astype(np.int64)
 
 
@@ -139,9 +172,19 @@ class GrainShuffle:
     def __call__(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         return grain_epoch_order(self._num_records, self._seed, epoch, positions)
 
+    def positions(self, epoch: int, records: np.ndarray) -> np.ndarray:
+        return grain_epoch_positions(self._num_records, self._seed, epoch, records)
+
 
 def batch_plan(num_records: int, batching: BatchingConfig) -> BatchPlan:
     """The plan of `batching`: file order, or Grain's shuffle of `batching.shuffle_seed`."""
     seed = batching.shuffle_seed
     order = FileOrder() if seed is None else GrainShuffle(num_records, seed)
     return BatchPlan(config=batching, num_records=num_records, order=order)
+
+
+def grain_epoch_positions(
+    num_records: int, seed: int, epoch: int, records: np.ndarray
+) -> np.ndarray:
+    """`int64[k]` the positions of `records` (`int[k]`) in `epoch`: `grain_epoch_order` inverted."""
+    return unshuffled_indices(records, num_records - 1, (seed + epoch) % 2**32)

@@ -161,6 +161,14 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
+    def newest_metadata(self) -> dict | None:
+        """The metadata of the newest checkpoint whose metadata reads, or None."""
+        for step in reversed(self.steps()):
+            metadata, _ = self._metadata(step)
+            if metadata is not None:
+                return metadata
+        return None
+
     def restore_latest(self, like: Any) -> Snapshot | None:
         """The newest checkpoint that restores on every process, or None if there is none.
 

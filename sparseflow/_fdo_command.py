@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
-    """The FDO job's view of a run config; the stats carry its layout."""
+    """The FDO job's view of a run config: training's batches; the stats carry its layout."""
     mesh = config.mesh
     return beam_jobs.FdoJobConfig(
         feature_specs=config.feature_specs,
@@ -76,6 +76,10 @@ def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
         ),
         config_hash=config.config_hash,
         fdo_layout=config.fdo_layout,
+        training_order=beam_jobs.TrainingOrder(
+            shuffle_seed=config.seed if config.training.shuffle else None,
+            epochs=config.training.epochs,
+        ),
     )
 
 

@@ -30,7 +30,7 @@ import embedding
 import parallel
 import pipelines
 from parallel import allreduce
-from sparseflow import _model, _run_identity
+from sparseflow import _limit_feedback, _model, _run_identity
 from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
@@ -95,6 +95,7 @@ class TrainResult(NamedTuple):
         calls), from dispatch until its outputs are ready.
       train_state: the dense parameters and optimizer state at the end.
       embedding_variables: the tables and slots at the end, by stack.
+      limits: the stacks' limits at the end (raised where a batch needed more).
     """
 
     steps: int
@@ -106,6 +107,7 @@ class TrainResult(NamedTuple):
     call_seconds: list[float]
     train_state: Any
     embedding_variables: dict[str, embedding.EmbeddingVariables]
+    limits: dict[str, embedding.StackLimits]
 
 
 def make_mesh() -> Mesh:
@@ -117,14 +119,15 @@ def _feature_specs(config: RunConfig, options: TrainOptions, mesh: Mesh):
     specs = embedding.prepare_feature_specs_for_training(
         config.feature_specs, mesh.size, config.mesh.partitions_per_device
     )
-    if options.fdo_dir is None:
-        return specs
-    stats = embedding.load_fdo_stats(
-        options.fdo_dir,
-        expected_config_hash=config.fdo_layout,
-        expected_geometry=fdo_geometry(config),
+    return _limit_feedback.initial_specs(
+        specs,
+        fdo_dir=options.fdo_dir,
+        layout=config.fdo_layout,
+        geometry=fdo_geometry(config),
+        batching=_batching(config, training=True),
+        data=options.data,
+        headroom=config.training.fdo_headroom,
     )
-    return embedding.apply_fdo(specs, stats, headroom=config.training.fdo_headroom)
 
 
 def fdo_geometry(config: RunConfig) -> embedding.FdoGeometry:
@@ -169,11 +172,11 @@ def _agreement(config: RunConfig, options: TrainOptions) -> allreduce.AllReduceC
     )
 
 
-def _iterator(
-    config: RunConfig, options: TrainOptions, specs, mesh: Mesh, data, *, training: bool
-) -> pipelines.DeviceIterator:
+def _preprocess_config(
+    config: RunConfig, options: TrainOptions, specs, mesh: Mesh
+) -> pipelines.PreprocessConfig:
     pre = config.preprocessing
-    preprocess = pipelines.PreprocessConfig(
+    return pipelines.PreprocessConfig(
         feature_specs=specs,
         layout=config.synthetic.feature_layout(),
         local_device_count=mesh.local_mesh.size,
@@ -185,10 +188,15 @@ def _iterator(
         on_bad_record=pre.on_bad_record,
         agreement=_agreement(config, options),
     )
+
+
+def _iterator(
+    config: RunConfig, options: TrainOptions, specs, mesh: Mesh, data, *, training: bool
+) -> pipelines.DeviceIterator:
     host = pipelines.make_grain_iterator(
         data,
         batching=_batching(config, training=training),
-        preprocess=preprocess,
+        preprocess=_preprocess_config(config, options, specs, mesh),
         options=pipelines.GrainOptions(
             worker_count=config.training.workers if training else 0,
             worker_priority=config.training.worker_priority,
@@ -237,14 +245,7 @@ class _Run:
         self.pipelined = (
             config.training.pipelined if options.pipelined is None else options.pipelined
         )
-        self.specs = _feature_specs(config, options, mesh)
-        self.stages = Stages(
-            feature_specs=self.specs,
-            mesh=mesh,
-            optimizer=_model.dense_optimizer(config.model),
-            enable_minibatching=config.preprocessing.enable_minibatching,
-            pipeshard=config.model.pipeshard,
-        )
+        self.use_specs(_feature_specs(config, options, mesh))
         if config.model.pipeshard is not None and not self.pipelined:
             raise ValueError(
                 "model.pipeshard runs the dense tower inside SC/TC pipelined training; set "
@@ -269,6 +270,17 @@ class _Run:
         self.pipeline_state = None
         self.losses: list[float] = []
         self.window = collections.deque(maxlen=max(config.training.log_every, 1))
+
+    def use_specs(self, specs) -> None:
+        """Lays batches out under `specs` from now on (a new step, compiled on first use)."""
+        self.specs = specs
+        self.stages = Stages(
+            feature_specs=specs,
+            mesh=self.mesh,
+            optimizer=_model.dense_optimizer(self.config.model),
+            enable_minibatching=self.config.preprocessing.enable_minibatching,
+            pipeshard=self.config.model.pipeshard,
+        )
 
     def arrays(self) -> dict[str, Any]:
         arrays = {"state": self.state, "tables": self.tables}
@@ -365,7 +377,9 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     run = _Run(config, options, mesh)
     checkpoints = _checkpoints(run) if options.checkpoint_dir is not None else None
     metrics = MetricsWriter(options.metrics_dir if jax.process_index() == 0 else None)
-    with _iterator(config, options, run.specs, mesh, options.data, training=True) as batches:
+    if options.resume and checkpoints is not None:
+        run.use_specs(_checkpoint_specs(run, checkpoints.newest_metadata()))
+    with _training_batches(run) as batches:
         n = _number_of_steps(run, batches)
         first = next(batches)
         if run.pipelined:
@@ -377,6 +391,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
                 run.set_arrays(snapshot.arrays)
                 run.losses = list(snapshot.metadata["losses"])
                 start, pending = snapshot.step, None
+                batches.use_specs(_checkpoint_specs(run, snapshot.metadata))
                 batches.set_state(snapshot.iterator_state)
                 _log.info("Resumed from the checkpoint at step %d.", start)
         seconds, call_seconds = _loop(run, batches, n, start, pending, checkpoints, metrics)
@@ -398,7 +413,31 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         call_seconds=call_seconds,
         train_state=run.state,
         embedding_variables=run.tables,
+        limits=embedding.stack_limits(run.specs),
     )
+
+
+def _training_batches(run: _Run) -> _limit_feedback.FeedbackIterator:
+    config, options, mesh = run.config, run.options, run.mesh
+    batching = _batching(config, training=True)
+    return _limit_feedback.FeedbackIterator(
+        lambda specs: _iterator(config, options, specs, mesh, options.data, training=True),
+        run.specs,
+        batch_stats=lambda specs, batch: pipelines.batch_layout_stats(
+            options.data, batching, _preprocess_config(config, options, specs, mesh), batch
+        ),
+        on_new_specs=run.use_specs,
+        geometry=fdo_geometry(config),
+        headroom=config.training.fdo_headroom,
+        can_continue=not run.pipelined and jax.process_count() == 1,
+        record=None if options.fdo_dir is None else (options.fdo_dir, config.fdo_layout),
+    )
+
+
+def _checkpoint_specs(run: _Run, metadata: dict | None):
+    """The run's specs with the limits a checkpoint was written under."""
+    limits = None if metadata is None else metadata.get("limits")
+    return _limit_feedback.specs_with_metadata(run.specs, fdo_geometry(run.config), limits)
 
 
 def _checkpoints(run: _Run) -> Checkpoints:
@@ -517,7 +556,11 @@ def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
             step=done,
             arrays=run.arrays(),
             iterator_state=batches.get_state(),
-            metadata={"losses": run.losses, "config_hash": run.config.config_hash},
+            metadata={
+                "losses": run.losses,
+                "config_hash": run.config.config_hash,
+                "limits": _limit_feedback.limits_metadata(run.specs),
+            },
         )
     )
 

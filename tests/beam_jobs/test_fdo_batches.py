@@ -39,6 +39,8 @@ def test_slice_keep_and_concat_rows(seed):
     assert _as_lists(_batches.slice_rows(rows, 3, 11)) == lists[3:11]
     keep = rng.random(20) < 0.5
     assert _as_lists(_batches.keep_rows(rows, keep)) == [r for r, k in zip(lists, keep) if k]
+    order = rng.integers(0, 20, 30)
+    assert _as_lists(_batches.take_rows(rows, order)) == [lists[i] for i in order]
     parts = [_batches.slice_rows(rows, a, b) for a, b in ((0, 4), (4, 4), (4, 20))]
     assert _as_lists(_batches.concat_rows(parts)) == lists
 
@@ -76,7 +78,9 @@ def test_join_fragments_names_a_gap():
 
 def test_range_offsets_number_good_records_in_file_order():
     counts = [((1, 0), 4), ((0, 10), 7), ((0, 0), 9), ((2, 0), 0), ((1, 5), 1)]
-    offsets = _batches.range_offsets(counts)
+    # Each range has two bad records more than its good ones.
+    checks = [(key, _batches.RangeCheck(n + 2, np.arange(2))) for key, n in counts]
+    offsets = _batches.range_offsets(checks)
     assert offsets.first == {(0, 0): 0, (0, 10): 9, (1, 0): 16, (1, 5): 20, (2, 0): 21}
     assert offsets.total == 21
 

@@ -5,6 +5,7 @@ outputs are compared as stats-file documents, so the matchers are Beam's own
 `equal_to` (multi-process workers can import it, not this module).
 """
 
+import dataclasses
 import json
 import os
 
@@ -151,12 +152,14 @@ def test_run_fdo_job_in_process_and_in_worker_processes(synthetic, tmp_path, pip
     )
 
 
-def test_run_fdo_job_without_a_whole_batch_is_an_error(tmp_path):
+@pytest.mark.parametrize("order", [None, beam_jobs.TrainingOrder(shuffle_seed=3, epochs=2)])
+def test_run_fdo_job_without_a_whole_batch_is_an_error(tmp_path, order):
     path = fdo_cases.write_records(
         str(tmp_path / "small.array_record"), [fdo_cases.example(row) for row in range(20)]
     )
+    config = dataclasses.replace(fdo_cases.job_config(), training_order=order)
     with pytest.raises(ValueError, match="20 good records .* no whole global batch of 32"):
-        beam_jobs.run_fdo_job(fdo_cases.job_config(), path, str(tmp_path / "fdo"))
+        beam_jobs.run_fdo_job(config, path, str(tmp_path / "fdo"))
 
 
 def test_run_fdo_job_names_a_corrupt_file(tmp_path):

@@ -84,6 +84,48 @@ def test_the_hand_written_file_loads():
     assert json.loads(stats.to_json()) == DOCUMENT
 
 
+@pytest.mark.parametrize("seed", [None, 0, 2**32 - 1])
+def test_the_batches_stats_cover_round_trip(seed):
+    document = dict(DOCUMENT, batch_order={"records": 50, "shuffle_seed": seed, "epochs": 3})
+    stats = embedding.FdoStats.from_json(json.dumps(document))
+    order = embedding.FdoBatchOrder(records=50, shuffle_seed=seed, epochs=3)
+    assert stats.batch_order == order
+    assert json.loads(stats.to_json()) == document
+    # They cover a run of the same records and seed over as many epochs or fewer.
+    assert order.covers(embedding.FdoBatchOrder(records=50, shuffle_seed=seed, epochs=1))
+    assert not order.covers(embedding.FdoBatchOrder(records=50, shuffle_seed=seed, epochs=4))
+    assert not order.covers(embedding.FdoBatchOrder(records=51, shuffle_seed=seed, epochs=3))
+    other_seed = 7 if seed is None else None
+    assert not order.covers(embedding.FdoBatchOrder(records=50, shuffle_seed=other_seed, epochs=3))
+
+
+def test_limit_raises_round_trip_and_are_matched_by_layout(tmp_path, caplog):
+    geometry = embedding.FdoGeometry(global_batch_size=16, devices=2, partitions_per_device=2)
+    layout = embedding.FdoLayout(entries={"tables.t.vocabulary_size": 10})
+    raises = embedding.LimitRaises(
+        layout_key=layout.key,
+        geometry=geometry,
+        stacks={
+            "t": embedding.StackLimits(max_ids_per_partition=9, max_unique_ids_per_partition=4)
+        },
+        batches=(3, 7),
+    )
+    path = embedding.write_limit_raises(tmp_path, raises)
+    assert path == str(tmp_path / "fdo_limit_raises.json")
+    assert embedding.load_limit_raises(tmp_path, layout=layout, geometry=geometry) == raises
+    # Next to a stats file, the same file.
+    stats_file = tmp_path / NAME
+    assert embedding.load_limit_raises(stats_file, layout=layout, geometry=geometry) == raises
+    other = embedding.FdoLayout(entries={"tables.t.vocabulary_size": 11})
+    assert embedding.load_limit_raises(tmp_path, layout=other, geometry=geometry) is None
+    assert "limit raises of another batch layout" in caplog.text
+    document = json.loads(raises.to_json())
+    document["stacks"]["t"]["max_ids_per_partition"] = -1
+    (tmp_path / "fdo_limit_raises.json").write_text(json.dumps(document))
+    with pytest.raises(embedding.FdoStatsError, match=r"stacks\['t'\].max_ids_per_partition"):
+        embedding.load_limit_raises(tmp_path, layout=layout, geometry=geometry)
+
+
 def test_a_stack_at_the_largest_buffer_the_geometry_allows_loads(tmp_path):
     largest = _changed(STACK + ("required_buffer_size_per_sc",), [LARGEST_SLOT_BUFFER, 16, 16, 24])
     stats = _load(tmp_path, json.dumps(largest))
@@ -238,6 +280,22 @@ def test_a_stack_at_the_largest_buffer_the_geometry_allows_loads(tmp_path):
         (("tables", "t", "top_ids", 0), 3, "tables['t'].top_ids[0]: must be a list of 2 integers"),
         (("tables", "t", "top_ids", 0), [3], "tables['t'].top_ids[0]: must be a list of 2"),
         (("tables", "t", "top_ids", 1, 1), "5", "tables['t'].top_ids[1][1]: must be an integer"),
+        (("batch_order",), [], "batch_order: must be an object"),
+        (
+            ("batch_order",),
+            {"records": 9, "shuffle_seed": 1},
+            "batch_order: missing entry 'epochs'",
+        ),
+        (
+            ("batch_order",),
+            {"records": 9, "shuffle_seed": 2**32, "epochs": 1},
+            "batch_order.shuffle_seed: must be an integer in [0, 4294967295]",
+        ),
+        (
+            ("batch_order",),
+            {"records": 9, "shuffle_seed": None, "epochs": 0},
+            "FdoBatchOrder.epochs must be a positive integer, got 0",
+        ),
     ],
 )
 def test_a_bad_entry_is_named(tmp_path, path, value, message):

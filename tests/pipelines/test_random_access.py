@@ -11,7 +11,7 @@ from grain._src.python.experimental.index_shuffle.python import index_shuffle_mo
 
 from pipelines._array_record import ArrayRecordReader
 from pipelines._records import RecordFileWriter
-from pipelines._shuffle import grain_epoch_order, shuffled_indices
+from pipelines._shuffle import grain_epoch_order, grain_epoch_positions, shuffled_indices
 
 
 @pytest.mark.parametrize("num_records", [1, 100, 257, 16_385, 50_000, 65_537, 2**20 + 3])
@@ -37,6 +37,16 @@ def test_epoch_order_is_grains_global_shuffle_in_every_epoch(num_records, seed):
         expected = [order[epoch * num_records + int(p)] for p in positions]
         np.testing.assert_array_equal(
             grain_epoch_order(num_records, seed, epoch, positions), expected
+        )
+
+
+@pytest.mark.parametrize("num_records, seed", [(1, 0), (2, 1), (1000, 5), (70_001, 2**32 - 1)])
+def test_epoch_positions_invert_the_epoch_order(num_records, seed):
+    records = np.arange(num_records)
+    for epoch in range(2):
+        positions = grain_epoch_positions(num_records, seed, epoch, records)
+        np.testing.assert_array_equal(
+            grain_epoch_order(num_records, seed, epoch, positions), records
         )
 
 

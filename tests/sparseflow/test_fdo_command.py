@@ -1,5 +1,6 @@
 """`sparseflow fdo`: the offline FDO job from the command line."""
 
+import dataclasses
 import json
 import socket
 from pathlib import Path
@@ -123,11 +124,18 @@ def test_stats_serve_a_new_learning_rate_and_refuse_a_new_vocabulary(tmp_path, c
         out, expected_config_hash=tuned.fdo_layout, expected_geometry=geometry
     )
     assert stats.batches == 4
-    # Training reads them the same way: the tuned run takes the stats' limits.
+    # Training reads them the same way: the tuned run takes the stats' limits. The
+    # stats cover exactly the batches it draws (same records, seed and epochs), so the
+    # limits add no spread margin; another shuffle seed draws other batches.
+    assert stats.batch_order == embedding.FdoBatchOrder(records=150, shuffle_seed=0, epochs=1)
     mesh = Mesh(np.array(jax.devices()[:4]), ("devices",))
-    options = _train.TrainOptions(data=str(config.dataset.dir), fdo_dir=out)
+    options = _train.TrainOptions(data=str(config.dataset.dir / "arrayrecord"), fdo_dir=out)
     prepared = embedding.prepare_feature_specs_for_training(tuned.feature_specs, 4, 2)
     assert _train._feature_specs(tuned, options, mesh) == embedding.apply_fdo(
+        prepared, stats, headroom=tuned.training.fdo_headroom, spread_margin=0.0
+    )
+    reseeded = dataclasses.replace(tuned, seed=1)
+    assert _train._feature_specs(reseeded, options, mesh) == embedding.apply_fdo(
         prepared, stats, headroom=tuned.training.fdo_headroom
     )
     grown = _changed(config_path, "grown.yaml", vocabulary)

@@ -1,0 +1,175 @@
+"""Limits that follow the data: a batch over the FDO limits raises them, and the raise is kept.
+
+The case: a census-like dataset of low-cardinality columns, FDO stats computed
+over exactly the batches training draws (so no spread margin, headroom 1),
+then the data regenerated (same size, other values) before training: some
+shuffled batch needs more ids in a partition than the stats allow.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from train_cases import cli as _cli
+from train_cases import write_data
+
+import beam_jobs
+import embedding
+import pipelines
+from sparseflow import _fdo_command, _limit_feedback, _train, load_config
+from sparseflow._checkpoint import Checkpoints
+
+EXAMPLES = 640
+STEPS = 6
+_COLUMNS = {"workclass": 8, "education": 16, "occupation": 15, "relationship": 6, "sex": 2}
+
+
+@pytest.fixture(scope="module")
+def census(tmp_path_factory):
+    """`(directory, config path, config, data, fdo dir)`: stats of other data than `data`."""
+    tmp = tmp_path_factory.mktemp("census")
+    table = {
+        "embedding_dim": 4,
+        "combiner": "sum",
+        "optimizer": {"type": "sgd", "learning_rate": 0.1},
+        "initializer": {"type": "uniform", "scale": 0.05},
+        "max_ids_per_partition": 8,
+        "max_unique_ids_per_partition": 8,
+    }
+    raw = {
+        "name": "census",
+        "seed": 0,
+        "mesh": {"devices": 8, "partitions_per_device": 2},
+        "global_batch_size": 128,
+        "preprocessing": {"allow_id_dropping": False, "enable_minibatching": False},
+        "tables": [{"name": n, "vocabulary_size": v, **table} for n, v in _COLUMNS.items()],
+        "features": [{"name": n, "table": n, "valency": [1, 1], "zipf": 1.1} for n in _COLUMNS],
+        "dense_features": 2,
+        "dataset": {"dir": str(tmp / "data"), "examples": EXAMPLES, "eval_examples": 10},
+        "training": {
+            "steps": STEPS,
+            "epochs": 2,
+            "pipelined": False,
+            "fdo_headroom": 1.0,
+            "checkpoint_every": 2,
+            "log_every": 2,
+        },
+    }
+    path = tmp / "census.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+    fdo_data = write_data(config, tmp / "fdo_data", examples=EXAMPLES, seed=1)
+    fdo_dir = tmp / "fdo"
+    beam_jobs.run_fdo_job(_fdo_command.job_config(config), fdo_data, str(fdo_dir))
+    data = write_data(config, tmp / "data", examples=EXAMPLES, seed=2)
+    return tmp, path, config, data, fdo_dir
+
+
+def _fdo_copy(census, name: str):
+    """A copy of the stats directory, so that each run records its own raises."""
+    tmp, _, _, _, fdo_dir = census
+    return shutil.copytree(fdo_dir, tmp / name)
+
+
+def _options(census, fdo_dir, **more) -> _train.TrainOptions:
+    return _train.TrainOptions(data=census[3], fdo_dir=fdo_dir, progress=False, **more)
+
+
+def _first_breach(census, fdo_dir) -> tuple[int, embedding.LimitBreachError] | None:
+    """The first training batch the initial limits cannot lay out and its error, or None."""
+    _, _, config, data, _ = census
+    mesh = _train.make_mesh()
+    specs = _train._feature_specs(config, _options(census, fdo_dir), mesh)
+    host = pipelines.make_grain_iterator(
+        data,
+        batching=_train._batching(config, training=True),
+        preprocess=_train._preprocess_config(config, _options(census, fdo_dir), specs, mesh),
+        log_interval_s=None,
+    )
+    with host:
+        for batch in range(STEPS):
+            try:
+                next(host)
+            except embedding.LimitBreachError as error:
+                return batch, error
+    return None
+
+
+def test_a_breach_raises_the_limit_records_it_and_training_goes_on(census, caplog):
+    _, _, config, _, _ = census
+    fdo_dir = _fdo_copy(census, "fdo_raise")
+    found = _first_breach(census, fdo_dir)
+    assert found is not None, "the stats' limits hold: no case"
+    breach, error = found
+    assert error.batch_number == breach
+    assert "exceed max_ids_per_partition" in str(error)
+
+    with caplog.at_level(logging.WARNING, logger="sparseflow._limit_feedback"):
+        result = _train.train(config, _options(census, fdo_dir))
+    assert len(result.losses) == STEPS and all(np.isfinite(result.losses))
+    assert f"Global batch {breach} breaches the limits" in caplog.text
+
+    geometry = _train.fdo_geometry(config)
+    raises = embedding.load_limit_raises(fdo_dir, layout=config.fdo_layout, geometry=geometry)
+    assert raises is not None and raises.batches[0] == breach
+    # The next run starts from the raised limits: the batch now lays out.
+    mesh = _train.make_mesh()
+    specs = _train._feature_specs(config, _options(census, fdo_dir), mesh)
+    limits = embedding.stack_limits(specs)
+    for name, raised in raises.stacks.items():
+        assert limits[name] == raised
+    assert _first_breach(census, fdo_dir) is None
+
+
+def test_a_pipelined_run_records_the_raise_and_stops(census):
+    _, _, config, _, _ = census
+    fdo_dir = _fdo_copy(census, "fdo_pipelined")
+    breach, _ = _first_breach(census, fdo_dir)
+    with pytest.raises(embedding.LimitBreachError) as raised:
+        _train.train(config, _options(census, fdo_dir, pipelined=True))
+    assert "run again with --fdo" in "".join(raised.value.__notes__)
+    geometry = _train.fdo_geometry(config)
+    raises = embedding.load_limit_raises(fdo_dir, layout=config.fdo_layout, geometry=geometry)
+    assert raises.batches == (breach,)
+
+
+def _leaves(result: _train.TrainResult) -> list[np.ndarray]:
+    return [
+        np.asarray(x) for x in jax.tree.leaves((result.train_state, result.embedding_variables))
+    ]
+
+
+def test_resume_after_a_raise_is_exact(census):
+    tmp, path, config, data, _ = census
+    uninterrupted = _train.train(config, _options(census, _fdo_copy(census, "fdo_whole")))
+
+    fdo_dir = _fdo_copy(census, "fdo_crash")
+    breach, _ = _first_breach(census, fdo_dir)
+    stop = breach + 2 + breach % 2  # the checkpoint at the stop holds the raised limits
+    assert stop < STEPS
+    checkpoints = tmp / "checkpoints"
+    argv = ["--config", str(path), "--data", data, "--fdo", str(fdo_dir), "--no-progress"]
+    crashed = _cli("train", *argv, "--checkpoint-dir", str(checkpoints), "--stop-after", str(stop))
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    # Resumed with the stats alone (not the raises the crashed run recorded), the
+    # run starts from the stats' limits and takes the checkpoint's.
+    fresh = _fdo_copy(census, "fdo_fresh")
+    initial = _train._feature_specs(config, _options(census, fresh), _train.make_mesh())
+    saved = Checkpoints(checkpoints, run=None)
+    assert saved.steps()[-1] == stop
+    assert saved.newest_metadata()["limits"] != _limit_feedback.limits_metadata(initial)
+    saved.close()
+
+    resumed = _train.train(config, _options(census, fresh, checkpoint_dir=checkpoints, resume=True))
+    assert resumed.losses == uninterrupted.losses
+    assert resumed.limits == uninterrupted.limits != embedding.stack_limits(initial)
+    # Under the checkpoint's limits no batch breached again: nothing was recorded.
+    geometry = _train.fdo_geometry(config)
+    assert embedding.load_limit_raises(fresh, layout=config.fdo_layout, geometry=geometry) is None
+    for a, b in zip(_leaves(resumed), _leaves(uninterrupted), strict=True):
+        np.testing.assert_array_equal(a, b)
