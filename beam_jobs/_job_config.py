@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import embedding
 import pipelines
+from embedding._checks import check_int
 
 DEFAULT_RECORDS_PER_RANGE = 8192
 DEFAULT_TOP_K = 20
@@ -55,8 +56,7 @@ class FdoJobConfig:
         for name in ("top_k", "records_per_range"):
             value = getattr(self, name)
             minimum = 0 if name == "top_k" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+            check_int(value, name, minimum)
 
     @property
     def vocabulary_sizes(self) -> dict[str, int]:

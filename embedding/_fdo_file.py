@@ -75,6 +75,7 @@ from typing import Any
 import numpy as np
 
 from embedding._buffers import INT32_MAX
+from embedding._checks import check_int
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
 from embedding._fdo_invariants import BATCH_MAX_PERCENTILES, check_stack
 from embedding._fdo_schema import (
@@ -198,8 +199,7 @@ class FdoStats:
     def __post_init__(self) -> None:
         if not isinstance(self.config_hash, str):
             raise TypeError(f"config_hash must be a string, got {self.config_hash!r}.")
-        if isinstance(self.batches, bool) or not isinstance(self.batches, int) or self.batches < 0:
-            raise ValueError(f"batches must be an integer >= 0, got {self.batches!r}.")
+        check_int(self.batches, "batches", 0)
         for name, stack in self.stacks.items():
             arrays = {f.name: getattr(stack, f.name) for f in dataclasses.fields(stack)}
             check_stack(item("stacks", name), self.geometry, self.batches, **arrays)
