@@ -25,7 +25,7 @@ from pathlib import Path
 
 import embedding
 import pipelines
-from sparseflow._config_checker import ConfigError, Node, build, get, integer, mapping, parse_yaml
+from sparseflow._config_checker import Node, build, get, integer, mapping, parse_yaml
 from sparseflow._config_dataset import DatasetConfig, read_dataset
 from sparseflow._config_features import read_features
 from sparseflow._config_mesh import MeshConfig, read_global_batch_size, read_mesh
@@ -33,16 +33,6 @@ from sparseflow._config_preprocessing import PreprocessingConfig, read_preproces
 from sparseflow._config_tables import apply_stacks, check_tables_used, read_tables
 from sparseflow._config_training import TrainingConfig, read_model, read_training
 from sparseflow._model import ModelConfig
-
-__all__ = [
-    "ConfigError",
-    "DatasetConfig",
-    "MeshConfig",
-    "PreprocessingConfig",
-    "RunConfig",
-    "TrainingConfig",
-    "load_config",
-]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
