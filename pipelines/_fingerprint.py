@@ -23,19 +23,22 @@ _K2 = np.uint64(0x9AE16A3B2F90404F)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _fetch64(data, p):
+def _fetch(data, p, size):
+    """The little-endian unsigned integer of `data[p : p + size]` (size 4 or 8)."""
     value = np.uint64(0)
-    for i in range(8):
+    for i in range(size):
         value |= np.uint64(data[p + i]) << np.uint64(8 * i)
     return value
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _fetch64(data, p):
+    return _fetch(data, p, 8)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _fetch32(data, p):
-    value = np.uint64(0)
-    for i in range(4):
-        value |= np.uint64(data[p + i]) << np.uint64(8 * i)
-    return value
+    return _fetch(data, p, 4)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

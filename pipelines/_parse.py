@@ -257,19 +257,6 @@ def _float_feature(values: list[float]) -> tf.train.Feature:
     return tf.train.Feature(float_list=tf.train.FloatList(value=values))
 
 
-def _ragged_lists(ragged: RaggedIds) -> tuple[list, list[int]]:
-    # Python lists slice far faster than numpy arrays convert, one row at a time.
-    return np.asarray(ragged.values).tolist(), np.asarray(ragged.row_splits).tolist()
-
-
-def _int64_feature(values: list[int]) -> tf.train.Feature:
-    return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-
-
-def _float_feature(values: list[float]) -> tf.train.Feature:
-    return tf.train.Feature(float_list=tf.train.FloatList(value=values))
-
-
 def _as_record_list(records: Sequence[bytes]) -> list[bytes]:
     records = list(records)
     for index, record in enumerate(records):
