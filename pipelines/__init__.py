@@ -2,7 +2,7 @@
 
 Records are serialized `tf.train.Example`s in ArrayRecord or TFRecord files;
 `parse_examples` turns a batch of them into ragged ids (`embedding.RaggedIds`),
-dense features and labels.
+dense features and labels, reading the keys a `RecordSchema` names.
 """
 
 from pipelines._batching import BatchingConfig
@@ -30,6 +30,15 @@ from pipelines._preprocess_stage import (
     PreprocessConfig,
 )
 from pipelines._records import list_record_files, read_records
+from pipelines._schema import (
+    DenseColumn,
+    DenseTransform,
+    IdType,
+    LabelColumn,
+    RecordSchema,
+    SparseColumn,
+    ValueType,
+)
 from pipelines._stats import BatchReport, PipelineStats
 from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synthetic_dataset
 from pipelines._tfdata import make_tfdata_iterator
@@ -39,6 +48,8 @@ __all__ = [
     "BadRecordPolicy",
     "BatchReport",
     "BatchingConfig",
+    "DenseColumn",
+    "DenseTransform",
     "DeviceBatch",
     "DeviceIterator",
     "FeatureLayout",
@@ -46,14 +57,19 @@ __all__ = [
     "HostAgreementError",
     "HostBatch",
     "HostIterator",
+    "IdType",
     "InputRecordError",
+    "LabelColumn",
     "PackedInput",
     "PackedLayout",
     "ParsedBatch",
     "PipelineStats",
     "PreprocessConfig",
+    "RecordSchema",
+    "SparseColumn",
     "SyntheticDataset",
     "SyntheticFeature",
+    "ValueType",
     "WorkerPriority",
     "batch_record_indices",
     "list_record_files",

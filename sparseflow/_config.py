@@ -27,9 +27,10 @@ import embedding
 import pipelines
 from sparseflow._config_checker import Node, build, get, integer, mapping, parse_yaml
 from sparseflow._config_dataset import DatasetConfig, read_dataset
-from sparseflow._config_features import read_features
+from sparseflow._config_features import Feature, read_features
 from sparseflow._config_mesh import MeshConfig, read_global_batch_size, read_mesh
 from sparseflow._config_preprocessing import PreprocessingConfig, read_preprocessing
+from sparseflow._config_record import read_record
 from sparseflow._config_tables import apply_stacks, check_tables_used, read_tables
 from sparseflow._config_training import TrainingConfig, read_model, read_training
 from sparseflow._model import ModelConfig
@@ -49,6 +50,8 @@ class RunConfig:
       feature_specs: the features by name, in config order, with the config's
         table stacks applied; tables outside any stack are left unprepared
         (the preprocessing prepares them).
+      layout: what the records hold and how they are read (the `record`
+        section, or the fixed layout without one).
       synthetic: the synthetic data description of the same features.
       dataset: where the dataset lives.
       source_path: the config file, absolute.
@@ -65,6 +68,7 @@ class RunConfig:
     preprocessing: PreprocessingConfig
     tables: Mapping[str, embedding.TableSpec]
     feature_specs: Mapping[str, embedding.FeatureSpec]
+    layout: pipelines.FeatureLayout
     synthetic: pipelines.SyntheticDataset
     dataset: DatasetConfig
     source_path: Path
@@ -79,7 +83,8 @@ class RunConfig:
         The tables' vocabularies and dimensions, the features and stacks, the
         mesh, the global batch and the preprocessing switches: a learning rate,
         an initializer, the dense tower or a configured limit can change
-        without recomputing the stats.
+        without recomputing the stats. Which record key a feature reads, and
+        whether its ids are hashed, count too.
         """
         geometry = embedding.FdoGeometry(
             global_batch_size=self.global_batch_size,
@@ -93,8 +98,11 @@ class RunConfig:
             "preprocessing.invalid_ids": p.invalid_id_policy.value,
             "preprocessing.enable_minibatching": p.enable_minibatching,
         }
-        weighted = self.synthetic.feature_layout().weighted
+        weighted = self.layout.weighted
         extra.update({f"features.{name}.weighted": name in weighted for name in self.feature_specs})
+        for column in self.layout.schema.sparse:
+            if column.key != column.name or column.ids is not pipelines.IdType.INT64:
+                extra[f"features.{column.name}.record"] = f"{column.key} ({column.ids.value})"
         return embedding.fdo_layout(self.feature_specs, geometry, extra=extra)
 
 
@@ -132,10 +140,9 @@ def load_config(
             "global_batch_size",
             "tables",
             "features",
-            "dense_features",
             "dataset",
         ),
-        ("preprocessing", "stacks", "model", "training"),
+        ("dense_features", "record", "preprocessing", "stacks", "model", "training"),
     )
     mesh = read_mesh(root.child("mesh"))
     batch = read_global_batch_size(root, mesh)
@@ -145,6 +152,7 @@ def load_config(
         root.child("tables"), tables, {f.spec.table_spec.name for f in features.values()}
     )
     feature_specs = {name: f.spec for name, f in features.items()}
+    layout = _layout(root, features)
     if root.has("stacks"):
         feature_specs = apply_stacks(root.child("stacks"), feature_specs, tables, mesh)
     return RunConfig(
@@ -159,12 +167,13 @@ def load_config(
         ),
         tables=tables,
         feature_specs=feature_specs,
+        layout=layout,
         synthetic=build(
             root.child("features"),
             pipelines.SyntheticDataset,
             dict(
                 features=tuple(f.synthetic for f in features.values()),
-                num_dense_features=integer(root, "dense_features", minimum=0),
+                num_dense_features=layout.num_dense_features,
             ),
         ),
         dataset=read_dataset(root.child("dataset"), base),
@@ -179,3 +188,35 @@ def load_config(
             else TrainingConfig()
         ),
     )
+
+
+def _layout(root: Node, features: Mapping[str, Feature]) -> pipelines.FeatureLayout:
+    """The `record` section's layout, or the fixed one of `features` and `dense_features`."""
+    if not root.has("record"):
+        if "dense_features" not in root.value:
+            raise root.missing("dense_features")
+        return build(
+            root.child("features"),
+            pipelines.FeatureLayout,
+            dict(
+                sparse=tuple(features),
+                weighted=frozenset(name for name, f in features.items() if f.synthetic.weighted),
+                num_dense_features=integer(root, "dense_features", minimum=0),
+            ),
+        )
+    if "dense_features" in root.value:
+        raise root.child("dense_features").error(
+            "with a record section, the dense input is the keys of record.dense"
+        )
+    for i, entry in enumerate(root.value["features"]):
+        if "weighted" in entry:
+            raise (
+                root.child("features")
+                .child(i)
+                .child("weighted")
+                .error(
+                    "with a record section, name the weights key in "
+                    f"record.features.{entry['name']}.weights"
+                )
+            )
+    return read_record(root.child("record"), {name: f.spec for name, f in features.items()})

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pipelines
 from parallel import allreduce
-from sparseflow._config_checker import Node, build, enum_choice, get, integer, mapping, path
+from sparseflow._config_checker import (
+    Node,
+    build,
+    check_kind,
+    enum_choice,
+    get,
+    integer,
+    mapping,
+    path,
+)
 from sparseflow._model import ModelConfig
 
 
@@ -67,9 +76,12 @@ class TrainingConfig:
 def _widths(node: Node, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
     if key not in node.value:
         return default
-    values = get(node, key, "list")
     child = node.child(key)
-    return tuple(integer(child, i) for i in range(len(values)))
+    widths = tuple(check_kind(child.child(i), "int") for i in range(len(get(node, key, "list"))))
+    for i, width in enumerate(widths):
+        if width < 1:
+            raise child.child(i).error(f"must be an integer >= 1, got {width}")
+    return widths
 
 
 def read_model(node: Node) -> ModelConfig:

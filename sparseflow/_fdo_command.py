@@ -97,7 +97,7 @@ def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
     mesh = config.mesh
     return beam_jobs.FdoJobConfig(
         feature_specs=config.feature_specs,
-        layout=config.synthetic.feature_layout(),
+        layout=config.layout,
         geometry=embedding.FdoGeometry(
             global_batch_size=config.global_batch_size,
             devices=mesh.devices,

@@ -248,7 +248,7 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
         )
     num_batches = available if max_batches is None else min(max_batches, available)
     files = pipelines.list_record_files(os.fspath(config.dataset.dir / _READ_FORMAT))
-    layout = config.synthetic.feature_layout()
+    layout = config.layout
     stats, ids_per_feature = [], dict.fromkeys(config.feature_specs, 0)
     parse_seconds = preprocess_seconds = 0.0
     batches = _global_batches(pipelines.read_records(files), batch_size, num_batches)

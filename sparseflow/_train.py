@@ -174,7 +174,7 @@ def _iterator(
     pre = config.preprocessing
     preprocess = pipelines.PreprocessConfig(
         feature_specs=specs,
-        layout=config.synthetic.feature_layout(),
+        layout=config.layout,
         local_device_count=mesh.local_mesh.size,
         global_device_count=mesh.size,
         num_sc_per_device=config.mesh.partitions_per_device,
@@ -252,7 +252,7 @@ class _Run:
             init_train_state(
                 key_dense,
                 config.model,
-                config.synthetic.num_dense_features,
+                config.layout.num_dense_features,
                 dims,
                 self.stages.optimizer,
             ),
