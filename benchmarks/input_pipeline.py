@@ -94,11 +94,11 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 def demo_inputs(config: RunConfig, directory: str) -> tuple[str, Path]:
     """The demo's training set and FDO stats, written under `directory`."""
     pipelines.write_synthetic_dataset(
-        config.synthetic,
+        config.synthetic.dataset,
         directory,
-        num_examples=config.dataset.examples,
+        num_examples=config.synthetic.examples,
         seed=config.seed,
-        num_shards=config.dataset.shards,
+        num_shards=config.synthetic.shards,
         formats=("arrayrecord",),
     )
     data = os.path.join(directory, "arrayrecord")
@@ -329,7 +329,7 @@ def measure_stall(
 
 def epochs_for(config: RunConfig, batches: int) -> int:
     """Epochs of `config`'s dataset (at least its own) for `batches` training batches."""
-    per_epoch = config.dataset.examples // config.global_batch_size
+    per_epoch = config.synthetic.examples // config.global_batch_size
     return max(config.training.epochs, math.ceil(batches / per_epoch))
 
 

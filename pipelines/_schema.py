@@ -222,4 +222,3 @@ class RecordSchema:
             for c in self.dense
         )
         return dataclasses.replace(self, dense=dense)
-

@@ -1,8 +1,9 @@
-"""Loading a run's YAML config into embedding specs and a synthetic-data description.
+"""Loading a run's YAML config into embedding specs, a record layout and the data's location.
 
 One config file describes a run for every job (the FDO statistics job, the
 input pipeline, the trainer): the device mesh, the global batch, the tables
-and the features that read them. Every key is checked: a missing, unknown
+and the features that read them, what the records hold, where they are, and
+(for `make-data` and the demo) the synthetic data. Every key is checked: a missing, unknown
 (misspelled) or mistyped key is a `ConfigError` naming the file and the YAML
 path of the entry, e.g. `configs/x.yaml: features[3].table: unknown table
 'foo'; known tables: a, b`. Each section is read by its own module
@@ -31,6 +32,7 @@ from sparseflow._config_features import Feature, read_features
 from sparseflow._config_mesh import MeshConfig, read_global_batch_size, read_mesh
 from sparseflow._config_preprocessing import PreprocessingConfig, read_preprocessing
 from sparseflow._config_record import read_record
+from sparseflow._config_synthetic import SyntheticConfig, read_synthetic
 from sparseflow._config_tables import apply_stacks, check_tables_used, read_tables
 from sparseflow._config_training import TrainingConfig, read_model, read_training
 from sparseflow._model import ModelConfig
@@ -52,8 +54,9 @@ class RunConfig:
         (the preprocessing prepares them).
       layout: what the records hold and how they are read (the `record`
         section, or the fixed layout without one).
-      synthetic: the synthetic data description of the same features.
       dataset: where the dataset lives.
+      synthetic: the synthetic data `make-data` and the demo write; None when
+        the config has no `synthetic` section.
       source_path: the config file, absolute.
       config_hash: sha256 hex digest of the parsed YAML as canonical JSON
         (FDO stats are matched to a run by `fdo_layout` instead).
@@ -69,10 +72,10 @@ class RunConfig:
     tables: Mapping[str, embedding.TableSpec]
     feature_specs: Mapping[str, embedding.FeatureSpec]
     layout: pipelines.FeatureLayout
-    synthetic: pipelines.SyntheticDataset
     dataset: DatasetConfig
     source_path: Path
     config_hash: str
+    synthetic: SyntheticConfig | None = None
     model: ModelConfig = ModelConfig()
     training: TrainingConfig = TrainingConfig()
 
@@ -120,7 +123,8 @@ def load_config(
 
     Returns:
       The run's specs: tables, features (with the config's stacks applied),
-      the mesh, the synthetic-data description and the dataset location.
+      the mesh, the record layout, the dataset location and the synthetic
+      data description.
 
     Raises:
       ConfigError: the file cannot be read, is not YAML, or an entry is
@@ -142,7 +146,15 @@ def load_config(
             "features",
             "dataset",
         ),
-        ("dense_features", "record", "preprocessing", "stacks", "model", "training"),
+        (
+            "dense_features",
+            "record",
+            "synthetic",
+            "preprocessing",
+            "stacks",
+            "model",
+            "training",
+        ),
     )
     mesh = read_mesh(root.child("mesh"))
     batch = read_global_batch_size(root, mesh)
@@ -151,7 +163,7 @@ def load_config(
     check_tables_used(
         root.child("tables"), tables, {f.spec.table_spec.name for f in features.values()}
     )
-    feature_specs = {name: f.spec for name, f in features.items()}
+    feature_specs = feature_specs_by_name(features)
     layout = _layout(root, features)
     if root.has("stacks"):
         feature_specs = apply_stacks(root.child("stacks"), feature_specs, tables, mesh)
@@ -168,15 +180,8 @@ def load_config(
         tables=tables,
         feature_specs=feature_specs,
         layout=layout,
-        synthetic=build(
-            root.child("features"),
-            pipelines.SyntheticDataset,
-            dict(
-                features=tuple(f.synthetic for f in features.values()),
-                num_dense_features=layout.num_dense_features,
-            ),
-        ),
         dataset=read_dataset(root.child("dataset"), base),
+        synthetic=_synthetic(root, feature_specs_by_name(features), layout),
         source_path=Path(os.path.abspath(source)),
         config_hash=hashlib.sha256(
             json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
@@ -200,7 +205,7 @@ def _layout(root: Node, features: Mapping[str, Feature]) -> pipelines.FeatureLay
             pipelines.FeatureLayout,
             dict(
                 sparse=tuple(features),
-                weighted=frozenset(name for name, f in features.items() if f.synthetic.weighted),
+                weighted=frozenset(name for name, f in features.items() if f.weighted),
                 num_dense_features=integer(root, "dense_features", minimum=0),
             ),
         )
@@ -219,4 +224,22 @@ def _layout(root: Node, features: Mapping[str, Feature]) -> pipelines.FeatureLay
                     f"record.features.{entry['name']}.weights"
                 )
             )
-    return read_record(root.child("record"), {name: f.spec for name, f in features.items()})
+    return read_record(root.child("record"), feature_specs_by_name(features))
+
+
+def feature_specs_by_name(features: Mapping[str, Feature]) -> dict[str, embedding.FeatureSpec]:
+    """The features' specs, unstacked."""
+    return {name: f.spec for name, f in features.items()}
+
+
+def _synthetic(
+    root: Node, features: Mapping[str, embedding.FeatureSpec], layout: pipelines.FeatureLayout
+) -> SyntheticConfig | None:
+    if not root.has("synthetic"):
+        return None
+    if root.has("record"):
+        raise root.child("synthetic").error(
+            "synthetic data is written in the fixed record layout; a config with a "
+            "record section reads real records and has no synthetic section"
+        )
+    return read_synthetic(root.child("synthetic"), features, layout)

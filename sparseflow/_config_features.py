@@ -6,37 +6,22 @@ import dataclasses
 from collections.abc import Mapping
 
 import embedding
-import pipelines
-from sparseflow._config_checker import Node, build, check_kind, get, mapping, named_list
-
-_DEFAULT_ZIPF_EXPONENT = 1.1
+from sparseflow._config_checker import Node, build, get, mapping, named_list
 
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    """One feature entry: its embedding spec and its synthetic description."""
+    """One feature entry: its embedding spec, and whether the fixed layout weights it."""
 
     name: str
     spec: embedding.FeatureSpec
-    synthetic: pipelines.SyntheticFeature
-
-
-def _valency(node: Node) -> tuple[int, int]:
-    values = check_kind(node, "list")
-    if len(values) != 2:
-        raise node.error(f"expected [min, max], got {values!r}")
-    low, high = (check_kind(node.child(i), "int") for i in range(2))
-    if low < 1:
-        raise node.error(f"min valency must be >= 1 (every sample has an id), got {low}")
-    if low > high:
-        raise node.error(f"min valency {low} is greater than max valency {high}")
-    return low, high
+    weighted: bool
 
 
 def _feature(
     node: Node, tables: Mapping[str, embedding.TableSpec], global_batch_size: int
 ) -> Feature:
-    mapping(node, ("name", "table", "valency"), ("zipf", "weighted"))
+    mapping(node, ("name", "table"), ("weighted",))
     name = get(node, "name", "str")
     table_name = get(node, "table", "str")
     if table_name not in tables:
@@ -44,33 +29,18 @@ def _feature(
             f"unknown table {table_name!r}; known tables: {', '.join(tables)}"
         )
     table = tables[table_name]
-    min_valency, max_valency = _valency(node.child("valency"))
-    zipf = get(node, "zipf", "number", _DEFAULT_ZIPF_EXPONENT)
-    if not zipf > 1:
-        raise node.child("zipf").error(f"the Zipf exponent must be > 1, got {zipf}")
     spec = build(
         node,
         embedding.FeatureSpec,
         dict(
             name=name,
             table_spec=table,
-            input_shape=[global_batch_size, max_valency],
+            # Ragged: how many ids a sample holds is the data's matter.
+            input_shape=[global_batch_size],
             output_shape=[global_batch_size, table.embedding_dim],
         ),
     )
-    synthetic = build(
-        node,
-        pipelines.SyntheticFeature,
-        dict(
-            name=name,
-            vocabulary_size=table.vocabulary_size,
-            min_valency=min_valency,
-            max_valency=max_valency,
-            zipf_exponent=zipf,
-            weighted=get(node, "weighted", "bool", False),
-        ),
-    )
-    return Feature(name, spec, synthetic)
+    return Feature(name, spec, get(node, "weighted", "bool", False))
 
 
 def read_features(

@@ -29,7 +29,6 @@ import embedding
 from sparseflow._arguments import positive_int
 from sparseflow._config import RunConfig
 
-_DEFAULT_FORMAT_DIR = "arrayrecord"
 _RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
 DASK = "dask"
 _DASK_RUNNER = "beam_jobs.dask_runner.DaskRunner"
@@ -55,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         nargs="+",
         help="record files (ArrayRecord or TFRecord): files, directories or glob patterns, "
-        f"read in the given order (default: the config's dataset.dir/{_DEFAULT_FORMAT_DIR})",
+        "read in the given order (default: the config's dataset.train, or the synthetic "
+        "data under dataset.dir)",
     )
     parser.add_argument(
         "--out", help="output directory of the stats (default: the config's dataset.dir/fdo)"
@@ -156,7 +156,7 @@ def configured_limits(config: RunConfig) -> dict[str, int]:
 
 def run(args: argparse.Namespace, config: RunConfig) -> None:
     """Runs the job, prints where the stats went and the limits they call for."""
-    data = args.data or [str(config.dataset.dir / _DEFAULT_FORMAT_DIR)]
+    data = args.data or list(config.dataset.train_data)
     out = args.out or str(config.dataset.dir / "fdo")
     with _dask_address(args) as dask_address:
         pipeline_args = _pipeline_args(args, dask_address)

@@ -36,12 +36,22 @@ def _config(tmp_path: Path) -> Path:
         ],
         "stacks": [["a", "b"]],
         "features": [
-            {"name": "fa1", "table": "a", "valency": [1, 3]},
-            {"name": "fa2", "table": "a", "valency": [1, 2]},
-            {"name": "fb", "table": "b", "valency": [1, 1], "weighted": True},
+            {"name": "fa1", "table": "a"},
+            {"name": "fa2", "table": "a"},
+            {"name": "fb", "table": "b", "weighted": True},
         ],
         "dense_features": 2,
-        "dataset": {"dir": "data", "examples": 150, "eval_examples": 10, "shards": 2},
+        "dataset": {"dir": "data"},
+        "synthetic": {
+            "examples": 150,
+            "eval_examples": 10,
+            "shards": 2,
+            "features": {
+                "fa1": {"valency": [1, 3]},
+                "fa2": {"valency": [1, 2]},
+                "fb": {"valency": [1, 1]},
+            },
+        },
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -52,7 +62,7 @@ def test_fdo_writes_stats_for_the_config_and_a_figure(tmp_path, capsys):
     config_path = _config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
-        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
     )
     out, figure = tmp_path / "fdo", tmp_path / "fdo.png"
     status = _cli.main(
@@ -107,7 +117,7 @@ def test_stats_serve_a_new_learning_rate_and_refuse_a_new_vocabulary(tmp_path, c
     config_path = _config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
-        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
     )
     out = tmp_path / "fdo"
     status = _cli.main(["fdo", "--config", str(config_path), "--out", str(out)])
@@ -153,7 +163,7 @@ def test_fdo_on_a_local_dask_cluster_writes_the_in_process_stats(tmp_path, capsy
     config_path = _config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
-        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
     )
     runs = {
         "in_process": [],

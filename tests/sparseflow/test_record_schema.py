@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import yaml
 
 import pipelines
 from pipelines._records import RecordFileWriter
-from sparseflow import ConfigError, _train, load_config
+from sparseflow import ConfigError, _cli, _train, load_config
 
 
 def _table(name: str, vocabulary: int) -> dict:
@@ -27,7 +28,7 @@ def _table(name: str, vocabulary: int) -> dict:
     }
 
 
-def _raw(data_dir: str) -> dict:
+def _raw(data_dir: str = "data") -> dict:
     """Records of clicks on ads: hex-string user ids, int64 ad ids, two dense keys."""
     return {
         "name": "clicks",
@@ -37,8 +38,8 @@ def _raw(data_dir: str) -> dict:
         "preprocessing": {"enable_minibatching": False},
         "tables": [_table("users", 1000), _table("ads", 100)],
         "features": [
-            {"name": "user", "table": "users", "valency": [1, 1]},
-            {"name": "ad", "table": "ads", "valency": [1, 1]},
+            {"name": "user", "table": "users"},
+            {"name": "ad", "table": "ads"},
         ],
         "record": {
             "features": {
@@ -51,7 +52,7 @@ def _raw(data_dir: str) -> dict:
             ],
             "label": {"key": "ctr", "type": "float", "threshold": 0.5},
         },
-        "dataset": {"dir": data_dir, "examples": 1280, "eval_examples": 256},
+        "dataset": {"dir": data_dir, "train": "train/*.array_record", "eval": "eval"},
         "model": {"bottom_mlp": [8], "top_mlp": [8], "learning_rate": 0.05},
         "training": {"log_every": 5, "shuffle": False, "pipelined": False},
     }
@@ -97,7 +98,7 @@ def _write_records(directory, records: list[bytes]) -> str:
 
 
 def test_loads_the_record_schema(tmp_path):
-    config = load_config(_write(tmp_path / "c.yaml", _raw("data")))
+    config = load_config(_write(tmp_path / "c.yaml", _raw()))
     schema = config.layout.schema
     user, ad = schema.sparse
     assert (user.key, user.ids, user.hash_buckets, user.required) == (
@@ -124,13 +125,14 @@ def test_loads_the_record_schema(tmp_path):
 
 
 def test_trains_end_to_end_on_records_of_its_schema(tmp_path):
-    config = load_config(_write(tmp_path / "c.yaml", _raw("data")))
+    config = load_config(_write(tmp_path / "c.yaml", _raw()))
     rng = np.random.default_rng(0)
-    data = _write_records(tmp_path / "train", _records(rng, 1280))
-    held_out = _write_records(tmp_path / "eval", _records(rng, 256))
-    result = _train.train(
-        config, _train.TrainOptions(data=data, eval_data=held_out, progress=False)
+    _write_records(tmp_path / "train", _records(rng, 1280))
+    _write_records(tmp_path / "eval", _records(rng, 256))
+    options = _train.TrainOptions(
+        data=list(config.dataset.train_data), eval_data=config.dataset.eval, progress=False
     )
+    result = _train.train(config, options)
     assert result.steps == 20
     assert np.isfinite(result.losses).all()
     # The label is `score > 0`, a dense input: a model that reads it learns it.
@@ -199,7 +201,7 @@ ERRORS = {
 @pytest.mark.parametrize("case", ERRORS)
 def test_record_errors_name_the_entry(tmp_path, case):
     mutate, message = ERRORS[case]
-    raw = copy.deepcopy(_raw("data"))
+    raw = copy.deepcopy(_raw())
     mutate(raw)
     path = _write(tmp_path / "c.yaml", raw)
     with pytest.raises(ConfigError) as error:
@@ -210,7 +212,7 @@ def test_record_errors_name_the_entry(tmp_path, case):
 
 
 def test_a_record_of_the_wrong_type_is_named(tmp_path):
-    config = load_config(_write(tmp_path / "c.yaml", _raw("data")))
+    config = load_config(_write(tmp_path / "c.yaml", _raw()))
     records = _records(np.random.default_rng(0), 4)
     example = tf.train.Example.FromString(records[1])
     example.features.feature["C1"].CopyFrom(
@@ -221,4 +223,64 @@ def test_a_record_of_the_wrong_type_is_named(tmp_path):
         pipelines.parse_examples(records, config.layout)
     assert str(error.value) == (
         "Bad record at index 1 of the batch: feature 'C1' holds a int64_list, expected bytes_list"
+    )
+
+
+def test_dataset_paths_are_relative_to_the_config(tmp_path):
+    raw = _raw()
+    raw["dataset"]["eval"] = ["eval-a", "/abs/eval-b/*.tfrecord"]
+    config = load_config(_write(tmp_path / "c.yaml", raw))
+    assert config.dataset.train == (str(tmp_path / "train" / "*.array_record"),)
+    assert config.dataset.train_data == config.dataset.train
+    assert config.dataset.eval == (str(tmp_path / "eval-a"), "/abs/eval-b/*.tfrecord")
+    assert config.synthetic is None
+
+
+DATA_ERRORS = {
+    "synthetic beside a record section": (
+        _mutated(synthetic={"examples": 10, "eval_examples": 0, "features": {}}),
+        "synthetic: synthetic data is written in the fixed record layout",
+    ),
+    "example count in the dataset section": (
+        _mutated(**{"dataset/examples": 100}),
+        "dataset.examples: unknown key; known keys: dir, train, eval",
+    ),
+    "empty train list": (
+        _mutated(**{"dataset/train": []}),
+        "dataset.train: expected a path or a non-empty list of paths",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DATA_ERRORS)
+def test_dataset_errors_name_the_entry(tmp_path, case):
+    mutate, message = DATA_ERRORS[case]
+    raw = _raw()
+    mutate(raw)
+    path = _write(tmp_path / "c.yaml", raw)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
+        load_config(path)
+
+
+def test_synthetic_section_names_every_feature(tmp_path):
+    raw = _raw()
+    del raw["record"]
+    raw["dense_features"] = 2
+    raw["synthetic"] = {
+        "examples": 64,
+        "eval_examples": 0,
+        "features": {"user": {"valency": [1, 2]}},
+    }
+    path = _write(tmp_path / "c.yaml", raw)
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{path}: synthetic.features.ad: missing required key")
+    ):
+        load_config(path)
+
+
+def test_make_data_needs_a_synthetic_section(tmp_path, capsys):
+    path = _write(tmp_path / "c.yaml", _raw())
+    assert _cli.main(["make-data", "--config", path]) != 0
+    assert "make-data writes synthetic data, described by a config's `synthetic` section" in (
+        capsys.readouterr().err
     )
