@@ -29,6 +29,8 @@ class FdoJobConfig:
         parallelism; a file of R records is read as ceil(R / this) ranges).
       fdo_layout: what the stats depend on (`embedding.fdo_layout`), written
         into the stats file: a run of the same layout may use them.
+      moments_schema: a record schema whose standardized dense keys get
+        their mean and std computed (`layout` must read them raw); None: none.
     """
 
     feature_specs: Mapping[str, embedding.FeatureSpec]
@@ -38,6 +40,7 @@ class FdoJobConfig:
     top_k: int = DEFAULT_TOP_K
     records_per_range: int = DEFAULT_RECORDS_PER_RANGE
     fdo_layout: embedding.FdoLayout | None = None
+    moments_schema: pipelines.RecordSchema | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_specs", dict(self.feature_specs))

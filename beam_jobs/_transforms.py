@@ -40,11 +40,13 @@ from beam_jobs._batches import (
     split_file,
 )
 from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn
+from beam_jobs._dense_moments import DenseMomentsFn, by_key, moments_of
 from beam_jobs._job_config import FdoJobConfig
 
 METRICS_NAMESPACE = "sparseflow.fdo"
 _DEAD_LETTERS = "dead_letters"
 _FRAGMENTS = "fragments"
+_MOMENTS = "dense_moments"
 
 
 class _CountGoodRecordsFn(beam.DoFn):
@@ -53,6 +55,7 @@ class _CountGoodRecordsFn(beam.DoFn):
     def __init__(self, config: FdoJobConfig):
         self._layout = config.layout
         self._vocabulary_sizes = config.vocabulary_sizes
+        self._moments = config.moments_schema is not None
         self._records = Metrics.counter(METRICS_NAMESPACE, "records")
         self._bad_records = Metrics.counter(METRICS_NAMESPACE, "bad_records")
 
@@ -70,6 +73,8 @@ class _CountGoodRecordsFn(beam.DoFn):
                     "reason": reason,
                 },
             )
+        if self._moments:
+            yield beam.pvalue.TaggedOutput(_MOMENTS, moments_of(rows.dense))
         yield record_range.key, rows.num_rows
 
 
@@ -133,8 +138,9 @@ class ReadGlobalBatches(beam.PTransform):
 
     See `beam_jobs._batches` for which batches these are. The output is a
     dict: the batches in two parts, "whole_batches" (read within one range)
-    and "joined_batches" (joined from fragments of several ranges), and
-    "dead_letters" (`{"file", "record_index", "reason"}` per bad record).
+    and "joined_batches" (joined from fragments of several ranges),
+    "dead_letters" (`{"file", "record_index", "reason"}` per bad record) and
+    "dense_moments" (`Moments` per range, with `config.moments_schema` only).
     The parts are left apart so that the per-batch work fuses with the
     reading: the in-process runner would hold a Flatten's inputs in memory.
     """
@@ -157,7 +163,7 @@ class ReadGlobalBatches(beam.PTransform):
             | "DistributeRanges" >> _Redistribute(lambda record_range: record_range.key)
         )
         checked = ranges | "CheckRecords" >> beam.ParDo(_CountGoodRecordsFn(config)).with_outputs(
-            _DEAD_LETTERS, main="good_counts"
+            _DEAD_LETTERS, _MOMENTS, main="good_counts"
         )
         offsets = (
             checked.good_counts
@@ -176,6 +182,7 @@ class ReadGlobalBatches(beam.PTransform):
             "whole_batches": cut.whole,
             "joined_batches": joined,
             "dead_letters": checked[_DEAD_LETTERS],
+            "dense_moments": checked[_MOMENTS],
         }
 
 
@@ -259,7 +266,8 @@ class CombineFdoStats(beam.PTransform):
 
 
 class ComputeFdoStats(beam.PTransform):
-    """Record files -> {"stats": one `embedding.FdoStats`, "dead_letters": dicts}."""
+    """Record files -> {"stats": one `embedding.FdoStats`, "dead_letters": dicts,
+    "dense_moments": the moments file's content (with `config.moments_schema` only)}."""
 
     def __init__(self, files: list[str], config: FdoJobConfig):
         super().__init__()
@@ -273,7 +281,12 @@ class ComputeFdoStats(beam.PTransform):
             for part in ("whole_batches", "joined_batches")
         )
         stats = batch_stats | "CombineFdoStats" >> CombineFdoStats(self._config)
-        return {"stats": stats, "dead_letters": read["dead_letters"]}
+        moments = (
+            read["dense_moments"]
+            | "CombineDenseMoments" >> beam.CombineGlobally(DenseMomentsFn()).without_defaults()
+            | "DenseMomentsByKey" >> beam.Map(by_key, self._config.moments_schema)
+        )
+        return {"stats": stats, "dead_letters": read["dead_letters"], "dense_moments": moments}
 
 
 def _write_atomically(stats: embedding.FdoStats, path: str) -> None:
@@ -285,6 +298,12 @@ def _write_atomically(stats: embedding.FdoStats, path: str) -> None:
     with FileSystems.create(temp_path) as file:
         file.write(stats.to_json().encode())
     FileSystems.rename([temp_path], [path])
+
+
+def write_json(content: dict, path: str) -> None:
+    """Writes `content` as JSON to `path` (any Beam filesystem)."""
+    with FileSystems.create(path) as file:
+        file.write(json.dumps(content, indent=1).encode())
 
 
 class WriteFdoStatsFile(beam.PTransform):

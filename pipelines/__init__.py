@@ -6,6 +6,7 @@ dense features and labels, reading the keys a `RecordSchema` names.
 """
 
 from pipelines._batching import BatchingConfig
+from pipelines._dense_moments import DENSE_MOMENTS_NAME, load_dense_moments
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
 from pipelines._grain import (
     GrainOptions,
@@ -44,6 +45,7 @@ from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synth
 from pipelines._tfdata import make_tfdata_iterator
 
 __all__ = [
+    "DENSE_MOMENTS_NAME",
     "BadRecordError",
     "BadRecordPolicy",
     "BatchReport",
@@ -73,6 +75,7 @@ __all__ = [
     "WorkerPriority",
     "batch_record_indices",
     "list_record_files",
+    "load_dense_moments",
     "make_grain_iterator",
     "make_tfdata_iterator",
     "pack",

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import beam_jobs
 import embedding
+import pipelines
 from sparseflow._arguments import positive_int
 from sparseflow._config import RunConfig
 
@@ -97,7 +98,9 @@ def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
     mesh = config.mesh
     return beam_jobs.FdoJobConfig(
         feature_specs=config.feature_specs,
-        layout=config.layout,
+        # The moments of standardized keys are those of the raw values.
+        layout=pipelines.FeatureLayout.from_schema(config.layout.schema.without_standardization()),
+        moments_schema=config.layout.schema if config.layout.schema.standardized() else None,
         geometry=embedding.FdoGeometry(
             global_batch_size=config.global_batch_size,
             devices=mesh.devices,
