@@ -22,6 +22,8 @@ import embedding
 import pipelines
 from sparseflow._config import RunConfig
 from sparseflow._config_synthetic import SyntheticConfig
+from sparseflow._id_coverage import FeatureCoverage, IdCoverage, format_coverage
+from sparseflow._text_table import aligned_table
 
 MANIFEST_NAME = "dataset.json"
 
@@ -69,6 +71,8 @@ class StatsReport:
       parse_seconds: time spent parsing records.
       preprocess_seconds: time spent in `preprocess_sparse_dense_matmul_input`.
       stacks: one summary per stacked table.
+      features: per feature, its distinct ids and how many are out of
+        vocabulary or collide under hashing.
     """
 
     batches: int
@@ -77,6 +81,7 @@ class StatsReport:
     parse_seconds: float
     preprocess_seconds: float
     stacks: tuple[StackSummary, ...]
+    features: tuple[FeatureCoverage, ...] = ()
 
 
 def dataset_exists(config: RunConfig) -> bool:
@@ -271,6 +276,9 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
         num_batches = max_batches
     files = pipelines.list_record_files(list(config.dataset.train_data))
     layout = config.layout
+    coverage = IdCoverage(
+        layout, {name: f.table_spec.vocabulary_size for name, f in config.feature_specs.items()}
+    )
     stats, ids_per_feature = [], dict.fromkeys(config.feature_specs, 0)
     parse_seconds = preprocess_seconds = 0.0
     batches = _global_batches(pipelines.read_records(files), batch_size, num_batches)
@@ -283,6 +291,8 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
         parse_seconds += middle - start
         for name in ids_per_feature:
             ids_per_feature[name] += parsed.ids[name].values.size
+        wide = coverage.wide_layout and pipelines.parse_examples(records, coverage.wide_layout)
+        coverage.add(parsed, wide)
     if not stats:
         raise ValueError(
             f"The records of {', '.join(config.dataset.train_data)} hold less than one "
@@ -295,6 +305,7 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
         parse_seconds=parse_seconds,
         preprocess_seconds=preprocess_seconds,
         stacks=_summaries(config, stats, ids_per_feature),
+        features=coverage.summaries(),
     )
 
 
@@ -324,22 +335,20 @@ def _row(stack: StackSummary) -> tuple[str, ...]:
 
 
 def format_report(result: StatsReport) -> str:
-    """The per-stack summary as an aligned text table, with the throughput."""
+    """The per-stack and per-feature summaries as aligned text tables, with the throughput."""
     rows = [tuple(name for name, _ in _COLUMNS), *map(_row, result.stacks)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = [
-        "  ".join(
-            f"{cell:{align}{width}}" for cell, (_, align), width in zip(row, _COLUMNS, widths)
-        ).rstrip()
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = aligned_table(rows, [align for _, align in _COLUMNS])
     preprocess_rate = result.ids / result.preprocess_seconds if result.preprocess_seconds else 0.0
     parse_rate = result.examples / result.parse_seconds if result.parse_seconds else 0.0
     lines += [
         "",
         "limits: max ids/part and max unique/part show the batch maximum / the table's limit;",
         "buffer/slot shows the entries a partition slot needed / the entries it owns.",
+        "",
+        *format_coverage(result.features),
+        "",
+        "distinct: ids (hashed: strings) seen; out of vocab: distinct ids outside the table;",
+        "hash collisions: distinct strings sharing a table row with another.",
         f"{result.batches} batches, {result.examples:,} examples, {result.ids:,} ids; "
         f"parsing {parse_rate:,.0f} examples/s; preprocessing {preprocess_rate:,.0f} ids/s "
         f"({1000 * result.preprocess_seconds / max(result.batches, 1):.1f} ms/batch).",

@@ -10,9 +10,10 @@ import pytest
 import tensorflow as tf
 import yaml
 
+import beam_jobs
 import pipelines
 from pipelines._records import RecordFileWriter
-from sparseflow import ConfigError, _cli, _train, load_config
+from sparseflow import ConfigError, _cli, _fdo_command, _stats_report, _train, load_config
 
 
 def _table(name: str, vocabulary: int) -> dict:
@@ -284,3 +285,55 @@ def test_make_data_needs_a_synthetic_section(tmp_path, capsys):
     assert "make-data writes synthetic data, described by a config's `synthetic` section" in (
         capsys.readouterr().err
     )
+
+
+def test_fdo_job_computes_the_moments_training_standardizes_with(tmp_path):
+    raw = _raw()
+    raw["record"]["dense"][1]["transform"] = "standardize"
+    config = load_config(_write(tmp_path / "c.yaml", raw))
+    records = _records(np.random.default_rng(3), 640)
+    data = _write_records(tmp_path / "train", records)
+    out = tmp_path / "fdo"
+    beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(out))
+    # Reference: numpy float64 over the records' `score` (default 0.0 when absent).
+    scores = np.array(
+        [
+            tf.train.Example.FromString(r).features.feature["score"].float_list.value[0]
+            for r in records
+        ],
+        np.float64,
+    )
+    moments = pipelines.load_dense_moments(out)
+    assert list(moments) == ["score"]
+    np.testing.assert_allclose(moments["score"][0], [scores.mean()], rtol=1e-9)
+    np.testing.assert_allclose(moments["score"][1], [scores.std()], rtol=1e-9)
+
+    with pytest.raises(ValueError, match=r"standardized .* give the FDO output directory"):
+        _train.record_layout(config, _train.TrainOptions(data=data))
+    layout = _train.record_layout(config, _train.TrainOptions(data=data, fdo_dir=out))
+    dense = pipelines.parse_examples(records[:8], layout).dense[:, 1]
+    expected = (scores[:8] - scores.mean()) / scores.std()
+    np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_stats_reports_distinct_ids_out_of_vocabulary_and_collisions(tmp_path):
+    raw = _raw()
+    raw["tables"][1]["vocabulary_size"] = 50  # ad ids are drawn from [0, 100)
+    raw["preprocessing"]["invalid_ids"] = "drop"
+    config = load_config(_write(tmp_path / "c.yaml", raw))
+    records = _records(np.random.default_rng(4), 640)
+    _write_records(tmp_path / "train", records)
+    report = _stats_report.run_stats(config)
+    # Reference: the records' values, read with protobuf; buckets by TensorFlow.
+    examples = [tf.train.Example.FromString(r).features.feature for r in records]
+    strings = {f["C1"].bytes_list.value[0] for f in examples}
+    buckets = set(tf.strings.to_hash_bucket_fast(sorted(strings), 1000).numpy().tolist())
+    ads = {f["ad_id"].int64_list.value[0] for f in examples if "ad_id" in f}
+    user, ad = report.features
+    assert (user.name, user.hashed, user.distinct) == ("user", True, len(strings))
+    assert user.collisions == pytest.approx(1 - len(buckets) / len(strings))
+    assert user.collisions > 0 and user.out_of_vocabulary == 0
+    assert (ad.name, ad.hashed, ad.distinct) == ("ad", False, len(ads))
+    assert ad.out_of_vocabulary == pytest.approx(sum(a >= 50 for a in ads) / len(ads))
+    text = _stats_report.format_report(report)
+    assert re.search(rf"\nuser +hashed +{len(strings)} +0\.00% +{100 * user.collisions:.2f}%\n", text)
