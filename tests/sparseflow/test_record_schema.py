@@ -336,4 +336,6 @@ def test_stats_reports_distinct_ids_out_of_vocabulary_and_collisions(tmp_path):
     assert (ad.name, ad.hashed, ad.distinct) == ("ad", False, len(ads))
     assert ad.out_of_vocabulary == pytest.approx(sum(a >= 50 for a in ads) / len(ads))
     text = _stats_report.format_report(report)
-    assert re.search(rf"\nuser +hashed +{len(strings)} +0\.00% +{100 * user.collisions:.2f}%\n", text)
+    assert re.search(
+        rf"\nuser +hashed +{len(strings)} +0\.00% +{100 * user.collisions:.2f}%\n", text
+    )
