@@ -74,8 +74,14 @@ def type_name(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def mapping(node: Node, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    """Checks `node` is a mapping with all `required` keys and no others."""
+def mapping(
+    node: Node, required: tuple[str, ...], optional: tuple[str, ...] = (), what: str = "key"
+) -> None:
+    """Checks `node` is a mapping with all `required` keys and no others.
+
+    `what` names the keys in the message of an unknown one ("feature": a
+    mapping by feature name).
+    """
     if not isinstance(node.value, dict):
         raise node.error(f"expected a mapping, got {type_name(node.value)}")
     known = required + optional
@@ -84,7 +90,7 @@ def mapping(node: Node, required: tuple[str, ...], optional: tuple[str, ...] = (
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise Node(None, node.source, node.child_path(str(key))).error(
-                f"unknown key; {hint}known keys: {', '.join(known)}"
+                f"unknown {what}; {hint}known {what}s: {', '.join(known)}"
             )
     for key in required:
         if key not in node.value:

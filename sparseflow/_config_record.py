@@ -18,7 +18,6 @@ must hold it; `dense` lists the dense keys, `label` the label's key and type:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 
 import embedding
@@ -31,7 +30,6 @@ from sparseflow._config_checker import (
     get,
     integer,
     mapping,
-    type_name,
 )
 
 _SPARSE_KEYS = ("key", "ids", "weights", "required")
@@ -70,15 +68,8 @@ def _sparse_columns(
     """Per feature in config order: its entry under `node` (a mapping by name) or the default."""
     entries = {}
     if node is not None:
-        if not isinstance(node.value, dict):
-            raise node.error(f"expected a mapping of feature names, got {type_name(node.value)}")
+        mapping(node, (), tuple(features), what="feature")
         for name in node.value:
-            if name not in features:
-                close = difflib.get_close_matches(str(name), list(features), n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                raise Node(None, node.source, node.child_path(str(name))).error(
-                    f"unknown feature; {hint}known features: {', '.join(features)}"
-                )
             entry = node.child(name)
             if entry.value is None:  # `name:` alone takes every default
                 entry = Node({}, entry.source, entry.path)
