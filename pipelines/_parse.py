@@ -400,20 +400,21 @@ def _suspect_rows(parsed: dict[str, tuple], schema: RecordSchema, batch: int) ->
         counts = np.diff(splits)
         suspect |= (counts != c.length) & ((counts != 0) | (c.default is None))
         if c.type is ValueType.FLOAT:
-            suspect[_rows_of(splits)[~np.isfinite(values)]] = True
+            _mark_rows(suspect, splits, ~np.isfinite(values))
     values, splits = parsed[schema.label.key]
     suspect |= np.diff(splits) != 1
     if schema.label.type is ValueType.FLOAT:
         bad = ~np.isfinite(values)
     else:
         bad = (values != 0) & (values != 1)
-    suspect[_rows_of(splits)[bad]] = True
+    _mark_rows(suspect, splits, bad)
     return np.flatnonzero(suspect)
 
 
-def _rows_of(splits: np.ndarray) -> np.ndarray:
-    """`int64[nnz]`: the row of every value of a ragged list with `splits`."""
-    return np.repeat(np.arange(splits.size - 1), np.diff(splits))
+def _mark_rows(suspect: np.ndarray, splits: np.ndarray, bad: np.ndarray) -> None:
+    """Sets `suspect[row]` for the row of every value where `bad` (`bool[nnz]`)."""
+    if bad.any():
+        suspect[np.repeat(np.arange(splits.size - 1), np.diff(splits))[bad]] = True
 
 
 def _dense_values(values: np.ndarray, splits: np.ndarray, column: DenseColumn) -> np.ndarray:
