@@ -137,8 +137,17 @@ def _payload(data, position, end):
 
 
 @numba.njit(cache=True, nogil=True)
-def _key_index(data, start, stop, key_bytes, key_offsets):
-    for k in range(key_offsets.size - 1):
+def _key_index(data, start, stop, key_bytes, key_offsets, hint):
+    """The schema index of the key `data[start:stop]`, or -1; tries `hint[0]` first.
+
+    Records of one writer list their keys in one order: starting where the
+    previous key matched finds the next one at once instead of after
+    comparing it with every key before it. `hint[0]` becomes the index after
+    the match.
+    """
+    num_keys = key_offsets.size - 1
+    for i in range(num_keys):
+        k = (hint[0] + i) % num_keys
         size = key_offsets[k + 1] - key_offsets[k]
         if size == stop - start:
             same = True
@@ -147,6 +156,7 @@ def _key_index(data, start, stop, key_bytes, key_offsets):
                     same = False
                     break
             if same:
+                hint[0] = (k + 1) % num_keys
                 return k
     return -1
 
@@ -201,7 +211,7 @@ def _count_values(data, start, stop, kind):
 
 
 @numba.njit(cache=True, nogil=True)
-def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record):
+def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, hint):
     """Reads one map entry of Features; False when unsure."""
     key_start, key_stop, value_start, value_stop = -1, -1, -1, -1
     position = start
@@ -226,7 +236,7 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
         position = payload_end
     if key_start < 0 or value_start < 0:
         return False
-    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets)
+    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets, hint)
     if k < 0:
         return True  # a feature the layout does not read
     if spans[record, k, 1] > 0:
@@ -254,6 +264,7 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
 @numba.njit(cache=True, nogil=True)
 def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
     """Finds each record's lists of the schema's keys, counts their values; False when unsure."""
+    hint = np.zeros(1, np.int64)
     for record in range(offsets.size - 1):
         position, end = offsets[record], offsets[record + 1]
         seen_features = False
@@ -282,6 +293,7 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
                     spans,
                     counts,
                     record,
+                    hint,
                 ):
                     return False
                 position = entry_end
