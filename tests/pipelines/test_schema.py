@@ -6,6 +6,7 @@ compiled path is compared bit for bit with the `tf.io.parse_example` one.
 """
 
 import numpy as np
+import pipeline_cases as cases
 import pytest
 import tensorflow as tf
 
@@ -237,3 +238,60 @@ def test_without_a_schema_the_layout_is_the_fixed_one():
     assert layout.schema == pipelines.RecordSchema.fixed(("a", "b"), frozenset({"b"}), 2)
     assert layout.record_keys() == ["a", "b", "b_weights", "dense", "label"]
     assert all(column.required for column in layout.schema.sparse)
+
+
+def _pipeline_records(count: int, nan_rows: set[int]) -> list[bytes]:
+    records = []
+    for row in range(count):
+        price = float("nan") if row in nan_rows else float(row)
+        records.append(
+            _example(
+                {
+                    "uid": _bytes(b"user-%d" % (row % 5)),
+                    "p": _floats(price),
+                    "y": _int64s(row % 2),
+                }
+            )
+        )
+    return records
+
+
+PIPELINE_LAYOUT = pipelines.FeatureLayout.from_schema(
+    pipelines.RecordSchema(
+        sparse=(pipelines.SparseColumn(name="a", key="uid", ids="bytes", hash_buckets=64),),
+        dense=(pipelines.DenseColumn(key="p"),),
+        label=pipelines.LabelColumn(key="y"),
+    )
+)
+
+
+def _pipeline_config(**overrides):
+    specs = {"a": cases.feature_specs(16)["a"]}
+    return pipelines.PreprocessConfig(
+        feature_specs=specs,
+        layout=PIPELINE_LAYOUT,
+        local_device_count=2,
+        global_device_count=2,
+        num_sc_per_device=2,
+        **overrides,
+    )
+
+
+def test_nan_dense_value_is_skipped_and_counted_or_raised(tmp_path):
+    records = _pipeline_records(48, nan_rows={5, 20})
+    files = cases.write_records(str(tmp_path), records)["arrayrecord"]
+    batching = pipelines.BatchingConfig(global_batch_size=16)
+    with pipelines.make_grain_iterator(
+        files, batching=batching, preprocess=_pipeline_config(on_bad_record="skip")
+    ) as iterator:
+        batches = list(iterator)
+        stats = iterator.stats()
+    assert stats["bad_records"] == 2
+    assert all(np.isfinite(np.asarray(batch.dense)).all() for batch in batches)
+    with pytest.raises(
+        pipelines.InputRecordError, match="feature 'p' holds a non-finite value nan"
+    ):
+        with pipelines.make_grain_iterator(
+            files, batching=batching, preprocess=_pipeline_config()
+        ) as iterator:
+            list(iterator)
