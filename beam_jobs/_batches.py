@@ -130,10 +130,12 @@ class SparseRows(NamedTuple):
     Attributes:
       ids: per feature, `int64[nnz]` ids and `int64[rows + 1]` row splits.
       weights: per weighted feature, `float32[nnz]` weights, same row splits.
+      dense: `float32[rows, num_dense_features]`, where kept (`check_records`).
     """
 
     ids: dict[str, RaggedIds]
     weights: dict[str, RaggedIds]
+    dense: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -174,7 +176,8 @@ def take_rows(rows: SparseRows, indices: np.ndarray) -> SparseRows:
         positions = np.arange(splits[-1]) + np.repeat(starts - splits[:-1], lengths)
         return RaggedIds(ragged.values[positions], splits)
 
-    return _map_rows(rows, take)
+    kept = _map_rows(rows, take)
+    return kept if rows.dense is None else kept._replace(dense=rows.dense[indices])
 
 
 def concat_rows(parts: list[SparseRows]) -> SparseRows:
@@ -207,12 +210,12 @@ def check_records(
       vocabulary_sizes: per sparse feature, its table's vocabulary size.
 
     Returns:
-      The good records' sparse rows (in order), and `(index in records,
-      reason)` of every bad record, by increasing index.
+      The good records' rows (in order, with their dense values), and
+      `(index in records, reason)` of every bad record, by increasing index.
     """
     parsed, problems = pipelines.parse_examples_lenient(records, layout)
     good = np.setdiff1d(np.arange(len(records)), [i for i, _ in problems])
-    rows = SparseRows(ids=parsed.ids, weights=parsed.weights)
+    rows = SparseRows(ids=parsed.ids, weights=parsed.weights, dense=parsed.dense)
     value_problems = _value_problems(rows, vocabulary_sizes)
     if not value_problems:
         return rows, problems

@@ -15,6 +15,7 @@ import numpy as np
 
 import embedding
 from beam_jobs._batch_stats import STAT_FIELDS, BatchStats
+from embedding._checks import check_int
 
 _PENDING_LIMIT = 64
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9), ("max", 100.0))
@@ -157,8 +158,7 @@ class IdFrequencyFn(beam.CombineFn):
     """
 
     def __init__(self, top_k: int):
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}.")
+        check_int(top_k, "top_k", 0)
         self._top_k = top_k
 
     def create_accumulator(self) -> dict[str, _IdCounts]:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import embedding
 import pipelines
+from embedding._checks import check_int
 
 DEFAULT_RECORDS_PER_RANGE = 8192
 DEFAULT_TOP_K = 20
@@ -53,6 +54,8 @@ class FdoJobConfig:
         the stats say so (`FdoStats.batch_order`). None: the batches of the
         good records in file order (`beam_jobs._batches`), for input
         paths whose order the job does not know.
+      moments_schema: a record schema whose standardized dense keys get
+        their mean and std computed (`layout` must read them raw); None: none.
     """
 
     feature_specs: Mapping[str, embedding.FeatureSpec]
@@ -63,6 +66,7 @@ class FdoJobConfig:
     records_per_range: int = DEFAULT_RECORDS_PER_RANGE
     fdo_layout: embedding.FdoLayout | None = None
     training_order: TrainingOrder | None = None
+    moments_schema: pipelines.RecordSchema | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_specs", dict(self.feature_specs))
@@ -81,8 +85,7 @@ class FdoJobConfig:
         for name in ("top_k", "records_per_range"):
             value = getattr(self, name)
             minimum = 0 if name == "top_k" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+            check_int(value, name, minimum)
 
     @property
     def vocabulary_sizes(self) -> dict[str, int]:

@@ -49,6 +49,7 @@ from beam_jobs._batches import (
     split_file,
 )
 from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn
+from beam_jobs._dense_moments import DenseMomentsFn, by_key, moments_of
 from beam_jobs._job_config import FdoJobConfig
 from beam_jobs._training_batches import TrainingBatchPlan, batch_parts, join_parts
 
@@ -56,6 +57,7 @@ METRICS_NAMESPACE = "sparseflow.fdo"
 _DEAD_LETTERS = "dead_letters"
 BATCH_PARTS = ("batches", "whole_batches", "joined_batches")
 _FRAGMENTS = "fragments"
+_MOMENTS = "dense_moments"
 
 
 class _CheckRecordsFn(beam.DoFn):
@@ -64,6 +66,7 @@ class _CheckRecordsFn(beam.DoFn):
     def __init__(self, config: FdoJobConfig):
         self._layout = config.layout
         self._vocabulary_sizes = config.vocabulary_sizes
+        self._moments = config.moments_schema is not None
         self._records = Metrics.counter(METRICS_NAMESPACE, "records")
         self._bad_records = Metrics.counter(METRICS_NAMESPACE, "bad_records")
 
@@ -81,6 +84,8 @@ class _CheckRecordsFn(beam.DoFn):
                     "reason": reason,
                 },
             )
+        if self._moments:
+            yield beam.pvalue.TaggedOutput(_MOMENTS, moments_of(rows.dense))
         bad = np.array([index for index, _ in problems], np.int64)
         yield record_range.key, RangeCheck(len(records), bad)
 
@@ -168,7 +173,8 @@ class ReadGlobalBatches(beam.PTransform):
     See `beam_jobs._training_batches` (with a training order) and
     `beam_jobs._batches` (without) for which batches these are. The output
     is a dict: "dead_letters" (`{"file", "record_index", "reason"}` per bad
-    record) and the batches in parts (`BATCH_PARTS`). With a training order,
+    record), "dense_moments" (`Moments` per range, with
+    `config.moments_schema` only) and the batches in parts (`BATCH_PARTS`). With a training order,
     one part, "batches", and "batch_order" (one `embedding.FdoBatchOrder`).
     Without, "whole_batches" (read within one range) and "joined_batches"
     (joined from fragments of several ranges), left apart so that the
@@ -185,11 +191,11 @@ class ReadGlobalBatches(beam.PTransform):
         config = self._config
         ranges = self._ranges(pbegin)
         checked = ranges | "CheckRecords" >> beam.ParDo(_CheckRecordsFn(config)).with_outputs(
-            _DEAD_LETTERS, main="checks"
+            _DEAD_LETTERS, _MOMENTS, main="checks"
         )
         checks = checked.checks | "GatherChecks" >> beam.combiners.ToList().without_defaults()
         if config.training_order is not None:
-            return self._training_batches(ranges, checks, checked[_DEAD_LETTERS])
+            return self._training_batches(ranges, checks, checked)
         offsets = checks | "NumberRanges" >> beam.Map(range_offsets)
         cut = ranges | "CutIntoBatches" >> beam.ParDo(
             _CutIntoBatchesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
@@ -203,9 +209,10 @@ class ReadGlobalBatches(beam.PTransform):
             "whole_batches": cut.whole,
             "joined_batches": joined,
             "dead_letters": checked[_DEAD_LETTERS],
+            "dense_moments": checked[_MOMENTS],
         }
 
-    def _training_batches(self, ranges, checks, dead_letters):
+    def _training_batches(self, ranges, checks, checked):
         config = self._config
         plan = checks | "PlanTrainingBatches" >> beam.Map(
             lambda checks, order, geometry: TrainingBatchPlan(order, geometry, checks),
@@ -221,7 +228,8 @@ class ReadGlobalBatches(beam.PTransform):
         )
         return {
             "batches": batches,
-            "dead_letters": dead_letters,
+            "dead_letters": checked[_DEAD_LETTERS],
+            "dense_moments": checked[_MOMENTS],
             "batch_order": plan | "BatchOrder" >> beam.Map(lambda plan: plan.batch_order),
         }
 
@@ -320,7 +328,8 @@ class CombineFdoStats(beam.PTransform):
 
 
 class ComputeFdoStats(beam.PTransform):
-    """Record files -> {"stats": one `embedding.FdoStats`, "dead_letters": dicts}."""
+    """Record files -> {"stats": one `embedding.FdoStats`, "dead_letters": dicts,
+    "dense_moments": the moments file's content (with `config.moments_schema` only)}."""
 
     def __init__(self, files: list[str], config: FdoJobConfig):
         super().__init__()
@@ -340,7 +349,12 @@ class ComputeFdoStats(beam.PTransform):
                 lambda stats, order: dataclasses.replace(stats, batch_order=order),
                 beam.pvalue.AsSingleton(read["batch_order"]),
             )
-        return {"stats": stats, "dead_letters": read["dead_letters"]}
+        moments = (
+            read["dense_moments"]
+            | "CombineDenseMoments" >> beam.CombineGlobally(DenseMomentsFn()).without_defaults()
+            | "DenseMomentsByKey" >> beam.Map(by_key, self._config.moments_schema)
+        )
+        return {"stats": stats, "dead_letters": read["dead_letters"], "dense_moments": moments}
 
 
 def _write_atomically(stats: embedding.FdoStats, path: str) -> None:
@@ -352,6 +366,12 @@ def _write_atomically(stats: embedding.FdoStats, path: str) -> None:
     with FileSystems.create(temp_path) as file:
         file.write(stats.to_json().encode())
     FileSystems.rename([temp_path], [path])
+
+
+def write_json(content: dict, path: str) -> None:
+    """Writes `content` as JSON to `path` (any Beam filesystem)."""
+    with FileSystems.create(path) as file:
+        file.write(json.dumps(content, indent=1).encode())
 
 
 class WriteFdoStatsFile(beam.PTransform):

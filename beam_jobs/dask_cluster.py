@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import distributed
 
+from embedding._checks import check_int
+
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "dask_cluster"]
 
 _log = logging.getLogger(__name__)
@@ -51,8 +53,7 @@ def dask_cluster(
         _check_reachable(address, connect_timeout_s or DEFAULT_CONNECT_TIMEOUT_S)
         yield address
         return
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}.")
+    check_int(workers, "workers", 1)
     # One thread per worker process: the job's steps hold the GIL (parsing,
     # preprocessing), so parallelism comes from processes.
     with distributed.LocalCluster(

@@ -15,6 +15,9 @@ Outputs in `out_dir`:
                                       `embedding.load_fdo_stats(out_dir, ...)`)
   `dead_letters.jsonl`                one `{"file", "record_index", "reason"}`
                                       object per bad record, in no order
+  `dense_moments.json`                mean and std of the standardized dense
+                                      keys (`config.moments_schema`; see
+                                      `beam_jobs._dense_moments`)
 
 Runs in process on Beam's FnApiRunner (the engine of Beam's DirectRunner for
 batch pipelines) unless the pipeline arguments name another runner: on a Dask
@@ -49,7 +52,9 @@ from beam_jobs._transforms import (
     ComputeFdoStats,
     WriteDeadLetters,
     WriteFdoStatsFile,
+    write_json,
 )
+from pipelines._dense_moments import DENSE_MOMENTS_NAME
 
 _log = logging.getLogger(__name__)
 
@@ -135,6 +140,8 @@ def run_fdo_job(
     outputs = pipeline | "FdoStats" >> ComputeFdoStats(files, config)
     _ = outputs["stats"] | "WriteStats" >> WriteFdoStatsFile(stats_path)
     _ = outputs["dead_letters"] | "WriteDeadLetters" >> WriteDeadLetters(dead_letters_path)
+    moments_path = FileSystems.join(out_dir, DENSE_MOMENTS_NAME)
+    _ = outputs["dense_moments"] | "WriteDenseMoments" >> beam.Map(write_json, moments_path)
     start = time.perf_counter()
     result = pipeline.run()
     result.wait_until_finish()

@@ -59,7 +59,7 @@ def dataset(config, directory: Path, examples: int) -> list[str]:
     if not (path / "dataset.json").is_file():
         print(f"writing {examples:,} examples to {path} ...", flush=True)
         pipelines.write_synthetic_dataset(
-            config.synthetic,
+            config.synthetic.dataset,
             path,
             num_examples=examples,
             seed=0,

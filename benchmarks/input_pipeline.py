@@ -119,11 +119,11 @@ def demo_inputs(config: RunConfig, directory: str) -> tuple[str, list[str], Path
     """The demo's training set (ArrayRecord directory, TFRecord files of the
     same records) and FDO stats, written under `directory`."""
     files = pipelines.write_synthetic_dataset(
-        config.synthetic,
+        config.synthetic.dataset,
         directory,
-        num_examples=config.dataset.examples,
+        num_examples=config.synthetic.examples,
         seed=config.seed,
-        num_shards=config.dataset.shards,
+        num_shards=config.synthetic.shards,
         formats=("arrayrecord", "tfrecord"),
     )
     data = os.path.join(directory, "arrayrecord")
@@ -203,7 +203,7 @@ def peer_throughput(
     pre = config.preprocessing
     iterator = _tfdata_jte_peer.tfdata_jte_batches(
         tfrecord_files,
-        config.synthetic.feature_layout(),
+        config.synthetic.dataset.feature_layout(),
         peer_specs,
         host_batch=config.global_batch_size // jax.process_count(),
         local_devices=run.mesh.local_mesh.size,
@@ -452,7 +452,7 @@ def step_replaced_by_sleep(step_s: float):
 
 def epochs_for(config: RunConfig, batches: int) -> int:
     """Epochs of `config`'s dataset (at least its own) for `batches` training batches."""
-    per_epoch = config.dataset.examples // config.global_batch_size
+    per_epoch = config.synthetic.examples // config.global_batch_size
     return max(config.training.epochs, math.ceil(batches / per_epoch))
 
 

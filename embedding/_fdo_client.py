@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from embedding._checks import is_int
 from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry
 from embedding._fdo_layout import FdoLayout
@@ -262,7 +263,7 @@ class FdoClient:
         process_index: int = 0,
         layout: FdoLayout | None = None,
     ):
-        if isinstance(process_index, bool) or not isinstance(process_index, int):
+        if not is_int(process_index):
             raise TypeError(f"process_index must be an integer, got {process_index!r}.")
         if not 0 <= process_index < geometry.processes:
             raise ValueError(

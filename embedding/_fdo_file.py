@@ -78,6 +78,7 @@ from typing import Any
 import numpy as np
 
 from embedding._buffers import INT32_MAX
+from embedding._checks import check_int
 from embedding._errors import SparseflowError
 from embedding._fdo_batch_order import FdoBatchOrder
 from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
@@ -207,8 +208,7 @@ class FdoStats:
     def __post_init__(self) -> None:
         if not isinstance(self.config_hash, str):
             raise TypeError(f"config_hash must be a string, got {self.config_hash!r}.")
-        if isinstance(self.batches, bool) or not isinstance(self.batches, int) or self.batches < 0:
-            raise ValueError(f"batches must be an integer >= 0, got {self.batches!r}.")
+        check_int(self.batches, "batches", 0)
         for name, stack in self.stacks.items():
             arrays = {f.name: getattr(stack, f.name) for f in dataclasses.fields(stack)}
             check_stack(item("stacks", name), self.geometry, self.batches, **arrays)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from embedding._buffers import INT32_MAX
-from embedding._specs import check_positive_int
+from embedding._checks import check_positive_int
 from embedding._stacking import check_partition_count
 
 LIMIT_FIELDS = (

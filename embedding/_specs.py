@@ -15,6 +15,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from embedding._checks import check_positive_int
 from embedding._optimizers import OptimizerSpec
 
 TableInitializer = Callable[..., Any]
@@ -37,11 +38,6 @@ def _combiner(value: str | Combiner, owner: str) -> Combiner:
     except ValueError:
         choices = ", ".join(c.value for c in Combiner)
         raise ValueError(f"{owner}: combiner must be one of {choices}; got {value!r}.") from None
-
-
-def check_positive_int(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}.")
 
 
 def round_up(value: int, multiple: int) -> int:

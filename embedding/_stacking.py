@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from embedding._checks import check_positive_int
 from embedding._specs import (
     FeatureIdTransformation,
     FeatureSpec,
@@ -43,8 +44,7 @@ def check_partition_count(global_device_count: int, num_sc_per_device: int) -> i
         ("global_device_count", global_device_count),
         ("num_sc_per_device", num_sc_per_device),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_positive_int(value, name)
     n = global_device_count * num_sc_per_device
     if n & (n - 1):
         raise ValueError(

@@ -2,7 +2,7 @@
 
 Records are serialized `tf.train.Example`s in ArrayRecord or TFRecord files;
 `parse_examples` turns a batch of them into ragged ids (`embedding.RaggedIds`),
-dense features and labels.
+dense features and labels, reading the keys a `RecordSchema` names.
 
 `make_grain_iterator` and `make_tfdata_iterator` are the one-call paths;
 `ParseRecords` and `LayOutBatch` (Grain transforms) and `TFDataPreprocess`
@@ -11,6 +11,7 @@ one's own.
 """
 
 from pipelines._batching import BatchingConfig, BatchPlan
+from pipelines._dense_moments import DENSE_MOMENTS_NAME, load_dense_moments
 from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
 from pipelines._errors import DataError
 from pipelines._grain import (
@@ -40,6 +41,15 @@ from pipelines._preprocess_stage import (
     PreprocessConfig,
 )
 from pipelines._records import RecordFileWriter, RecordFormat, list_record_files, read_records
+from pipelines._schema import (
+    DenseColumn,
+    DenseTransform,
+    IdType,
+    LabelColumn,
+    RecordSchema,
+    SparseColumn,
+    ValueType,
+)
 from pipelines._shuffle import batch_plan
 from pipelines._stats import BatchReport, PipelineStats
 from pipelines._synthetic import SyntheticDataset, SyntheticFeature, write_synthetic_dataset
@@ -47,12 +57,15 @@ from pipelines._tfdata import make_tfdata_iterator
 from pipelines._tfdata_map import TFDataPreprocess
 
 __all__ = [
+    "DENSE_MOMENTS_NAME",
     "BadRecordError",
     "BadRecordPolicy",
     "BatchReport",
     "BatchPlan",
     "BatchingConfig",
     "DataError",
+    "DenseColumn",
+    "DenseTransform",
     "DeviceBatch",
     "DeviceIterator",
     "FeatureLayout",
@@ -60,8 +73,10 @@ __all__ = [
     "HostAgreementError",
     "HostBatch",
     "HostIterator",
+    "IdType",
     "InputRecordError",
     "LayOutBatch",
+    "LabelColumn",
     "PackedInput",
     "PackedLayout",
     "ParseRecords",
@@ -70,15 +85,19 @@ __all__ = [
     "PreprocessConfig",
     "RecordFileWriter",
     "RecordFormat",
+    "RecordSchema",
+    "SparseColumn",
     "SyntheticDataset",
     "SyntheticFeature",
     "TFDataPreprocess",
+    "ValueType",
     "WorkerPriority",
     "batch_layout_stats",
     "batch_plan",
     "batch_record_indices",
     "init_grain_worker",
     "list_record_files",
+    "load_dense_moments",
     "make_grain_iterator",
     "make_tfdata_iterator",
     "num_records",

@@ -33,10 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
-
-def _check_int(value, what: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}.")
+from embedding._checks import check_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,10 +57,10 @@ class BatchingConfig:
     shuffle_seed: int | None = None
 
     def __post_init__(self):
-        _check_int(self.global_batch_size, "global_batch_size", 1)
-        _check_int(self.process_count, "process_count", 1)
-        _check_int(self.process_index, "process_index", 0)
-        _check_int(self.num_epochs, "num_epochs", 1)
+        check_int(self.global_batch_size, "global_batch_size", 1)
+        check_int(self.process_count, "process_count", 1)
+        check_int(self.process_index, "process_index", 0)
+        check_int(self.num_epochs, "num_epochs", 1)
         if self.process_index >= self.process_count:
             raise ValueError(
                 f"process_index {self.process_index} is not below process_count "
@@ -124,7 +121,7 @@ class BatchPlan:
     order: EpochOrder = dataclasses.field(default_factory=FileOrder)
 
     def __post_init__(self):
-        _check_int(self.num_records, "num_records", 0)
+        check_int(self.num_records, "num_records", 0)
         if self.num_records < self.config.global_batch_size:
             raise ValueError(
                 f"The dataset holds {self.num_records} records, fewer than one global "

@@ -29,6 +29,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
+from embedding._checks import check_int
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput
 from pipelines._preprocess_stage import HostBatch
@@ -119,8 +120,7 @@ class DeviceIterator(Iterator[DeviceBatch]):
     """
 
     def __init__(self, host: HostIterator, mesh: Mesh, *, buffer_size: int = 2):
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-            raise ValueError(f"buffer_size must be an integer >= 1, got {buffer_size!r}.")
+        check_int(buffer_size, "buffer_size", 1)
         _row_sharding(mesh)
         self._host = host
         self._mesh = mesh

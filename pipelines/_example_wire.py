@@ -1,21 +1,24 @@
-"""A compiled reader of serialized `tf.train.Example`s for one `FeatureLayout`.
+"""A compiled reader of serialized `tf.train.Example`s for one `RecordSchema`.
 
 `tf.io.parse_example` costs a few hundred microseconds of call overhead and
 its own threads per batch, more than the reading: a batch of a few hundred
 records is a few hundred kilobytes of protobuf wire format, which one
 compiled pass over the bytes decodes in a fraction of that. This reader
 handles the records that `tf.io.parse_example` reads without complaint and
-that use the plain encoding of the schema (`_parse.py`); anything else
+that use the plain encoding of the schema (`_schema.py`); anything else
 (a duplicated or unknown field, a wrong value type, a missing dense feature
 or label, a list of the wrong length, malformed bytes) makes it answer None,
 and the caller parses the batch with TensorFlow, which also names the bad
-records. Its results equal TensorFlow's (a property test checks it).
+records. Its results equal TensorFlow's (a property test checks it);
+bytes values are hashed as `tf.strings.to_hash_bucket_fast` does
+(`_fingerprint.py`).
 
 The wire format read (protobuf field numbers):
 
     Example   { Features features = 1; }
     Features  { map<string, Feature> feature = 1; }   entries: key = 1, value = 2
     Feature   { oneof { BytesList = 1; FloatList = 2; Int64List = 3; } }
+    BytesList { repeated bytes value = 1; }  one length-delimited field per value
     Int64List { repeated int64 value = 1; }  packed varints or one varint per field
     FloatList { repeated float value = 1; }  packed fixed32 or one fixed32 per field
 """
@@ -25,6 +28,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pipelines._fingerprint import fingerprint64
+
+BYTES_LIST = 1
 INT64_LIST = 3
 FLOAT_LIST = 2
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
@@ -36,24 +42,34 @@ class WireSchema:
 
     Args:
       keys: record keys, in output order.
-      kinds: per key, `INT64_LIST` or `FLOAT_LIST`.
+      kinds: per key, `INT64_LIST`, `FLOAT_LIST` or `BYTES_LIST`.
       exact_counts: per key, the number of values every record must hold, or
         -1 for any number (absent keys then read as empty).
+      buckets: per key, the hash buckets of a `BYTES_LIST` (each value reads
+        as `Fingerprint64(value) % buckets`); ignored for the other kinds.
     """
 
-    def __init__(self, keys: list[str], kinds: list[int], exact_counts: list[int]):
+    def __init__(
+        self,
+        keys: list[str],
+        kinds: list[int],
+        exact_counts: list[int],
+        buckets: list[int] | None = None,
+    ):
         encoded = [key.encode() for key in keys]
         self.keys = keys
         self.key_bytes = np.frombuffer(b"".join(encoded), np.uint8).copy()
         self.key_offsets = np.cumsum([0] + [len(key) for key in encoded]).astype(np.int64)
         self.kinds = np.asarray(kinds, np.int64)
         self.exact_counts = np.asarray(exact_counts, np.int64)
+        self.buckets = np.asarray(buckets or [0] * len(keys), np.uint64)
 
 
 def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     """`{key: (values, row_splits)}` for every schema key, or None when unsure.
 
-    Values are `int64[nnz]` or `float32[nnz]`, row splits `int64[batch + 1]`.
+    Values are `int64[nnz]` (int64 lists, hashed bytes lists) or `float32[nnz]`,
+    row splits `int64[batch + 1]`.
     """
     lengths = np.fromiter(map(len, records), np.int64, count=len(records))
     offsets = np.zeros(len(records) + 1, np.int64)
@@ -75,7 +91,7 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     for k, key in enumerate(schema.keys):
         floats = schema.kinds[k] == FLOAT_LIST
         values = np.empty(splits[k, -1], np.int64)
-        _decode(data, spans[:, k], floats, values)
+        _decode(data, spans[:, k], schema.kinds[k], schema.buckets[k], values)
         out[key] = (values.astype(np.uint32).view(np.float32) if floats else values, splits[k])
     return out
 
@@ -121,8 +137,17 @@ def _payload(data, position, end):
 
 
 @numba.njit(cache=True, nogil=True)
-def _key_index(data, start, stop, key_bytes, key_offsets):
-    for k in range(key_offsets.size - 1):
+def _key_index(data, start, stop, key_bytes, key_offsets, hint):
+    """The schema index of the key `data[start:stop]`, or -1; tries `hint[0]` first.
+
+    Records of one writer list their keys in one order: starting where the
+    previous key matched finds the next one at once instead of after
+    comparing it with every key before it. `hint[0]` becomes the index after
+    the match.
+    """
+    num_keys = key_offsets.size - 1
+    for i in range(num_keys):
+        k = (hint[0] + i) % num_keys
         size = key_offsets[k + 1] - key_offsets[k]
         if size == stop - start:
             same = True
@@ -131,6 +156,7 @@ def _key_index(data, start, stop, key_bytes, key_offsets):
                     same = False
                     break
             if same:
+                hint[0] = (k + 1) % num_keys
                 return k
     return -1
 
@@ -145,7 +171,14 @@ def _count_values(data, start, stop, kind):
         if position < 0 or np.int64(tag >> np.uint64(3)) != 1:
             return _UNSURE
         wire_type = np.int64(tag & np.uint64(7))
-        if wire_type == _LEN:
+        if kind == BYTES_LIST:
+            if wire_type != _LEN:
+                return _UNSURE
+            position = _payload(data, position, stop)[1]
+            if position < 0:
+                return _UNSURE
+            count += 1
+        elif wire_type == _LEN:
             position, block_end = _payload(data, position, stop)
             if position < 0:
                 return _UNSURE
@@ -178,7 +211,7 @@ def _count_values(data, start, stop, kind):
 
 
 @numba.njit(cache=True, nogil=True)
-def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record):
+def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, hint):
     """Reads one map entry of Features; False when unsure."""
     key_start, key_stop, value_start, value_stop = -1, -1, -1, -1
     position = start
@@ -203,7 +236,7 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
         position = payload_end
     if key_start < 0 or value_start < 0:
         return False
-    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets)
+    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets, hint)
     if k < 0:
         return True  # a feature the layout does not read
     if spans[record, k, 1] > 0:
@@ -231,6 +264,7 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
 @numba.njit(cache=True, nogil=True)
 def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
     """Finds each record's lists of the schema's keys, counts their values; False when unsure."""
+    hint = np.zeros(1, np.int64)
     for record in range(offsets.size - 1):
         position, end = offsets[record], offsets[record + 1]
         seen_features = False
@@ -259,6 +293,7 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
                     spans,
                     counts,
                     record,
+                    hint,
                 ):
                     return False
                 position = entry_end
@@ -266,14 +301,21 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
 
 
 @numba.njit(cache=True, nogil=True)
-def _decode(data, spans, floats, out):
+def _decode(data, spans, kind, buckets, out):
     """Decodes each record's list payload `spans[record]` into `out`, in record order.
 
-    Int64List values as they are; FloatList values as their float32 bits.
+    Int64List values as they are; FloatList values as their float32 bits;
+    BytesList values as `Fingerprint64(value) % buckets`.
     """
+    floats = kind == FLOAT_LIST
     j = 0
     for record in range(spans.shape[0]):
         position, stop = spans[record, 0], spans[record, 1]
+        while kind == BYTES_LIST and position < stop:
+            position = read_varint(data, position, stop)[1]
+            start, position = _payload(data, position, stop)
+            out[j] = np.int64(fingerprint64(data, start, position - start) % buckets)
+            j += 1
         while position < stop:
             tag, position = read_varint(data, position, stop)
             single = np.int64(tag & np.uint64(7)) != _LEN

@@ -37,6 +37,7 @@ import numpy as np
 from absl import flags
 
 import embedding
+from embedding._checks import check_int
 from parallel import allreduce
 from pipelines._array_record import ArrayRecordReader
 from pipelines._batching import BatchingConfig, BatchPlan
@@ -106,8 +107,7 @@ class GrainOptions:
             ("shared_buffers", 0),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+            check_int(value, name, minimum)
         priority = checked_enum(WorkerPriority, self.worker_priority, "worker_priority")
         object.__setattr__(self, "worker_priority", priority)
 

@@ -1,6 +1,7 @@
 """Serialized `tf.train.Example` records <-> ragged id batches.
 
-The record schema, shared by the synthetic writer and the parser:
+What a record holds is a `RecordSchema` (`_schema.py`). Without one, a
+`FeatureLayout` reads the fixed layout that the synthetic writer produces:
 
   `<feature>`          int64 list: the sample's ids (may be empty, must be present).
   `<feature>_weights`  float list: one weight per id, for weighted features only.
@@ -10,10 +11,12 @@ The record schema, shared by the synthetic writer and the parser:
 
 `parse_examples` parses a whole batch in one compiled pass over the wire
 format (`_example_wire.py`), or, for records that pass does not vouch for,
-with one `tf.io.parse_example` call, and checks the result with numpy. Only
-when that fails are the records judged one by one, so a clean batch pays
-nothing for the per-record diagnosis, and a bad record is named (index within
-the batch, and why) instead of failing the batch with TF's message.
+with one `tf.io.parse_example` call; both give every key's values and row
+splits, which the same numpy code checks and turns into ids, dense values
+and labels, so the two paths agree bit for bit. Only when the checks fail
+are the records judged one by one, so a clean batch pays nothing for the
+per-record diagnosis, and a bad record is named (index within the batch, and
+why) instead of failing the batch with TF's message.
 """
 
 from __future__ import annotations
@@ -27,37 +30,68 @@ import numpy as np
 from google.protobuf import message as protobuf_message
 
 from embedding import RaggedIds
+from embedding._checks import check_int
 from pipelines._errors import DataError
-from pipelines._example_wire import FLOAT_LIST, INT64_LIST, WireSchema, read_examples
+from pipelines._example_wire import (
+    BYTES_LIST,
+    FLOAT_LIST,
+    INT64_LIST,
+    WireSchema,
+    read_examples,
+)
 from pipelines._records import tf_error_reason
+from pipelines._schema import (
+    DENSE_KEY,
+    LABEL_KEY,
+    DenseColumn,
+    DenseTransform,
+    IdType,
+    RecordSchema,
+    ValueType,
+    weights_key,
+)
 from pipelines._tensorflow import tf
 
-DENSE_KEY = "dense"
-LABEL_KEY = "label"
 _INT64 = "int64_list"
 _FLOAT = "float_list"
-
-
-def weights_key(feature: str) -> str:
-    """The record key of a weighted feature's weights."""
-    return f"{feature}_weights"
+_BYTES = "bytes_list"
+_LIST_NAMES = {ValueType.INT: _INT64, ValueType.FLOAT: _FLOAT}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeatureLayout:
     """What a record holds, i.e. what `parse_examples` reads from it.
 
+    Give either the fixed layout's `sparse`, `weighted` and
+    `num_dense_features`, or a `schema` (`FeatureLayout.from_schema`), from
+    which they are then derived.
+
     Attributes:
       sparse: the sparse feature names, in output order.
-      weighted: the sparse features that also carry `<name>_weights`.
-      num_dense_features: length of the `dense` float list (0: not read).
+      weighted: the sparse features that also carry weights.
+      num_dense_features: width of the dense input (0: none read).
+      schema: the record keys and types read; None on input: the fixed layout.
     """
 
-    sparse: tuple[str, ...]
+    sparse: tuple[str, ...] = ()
     weighted: frozenset[str] = frozenset()
     num_dense_features: int = 0
+    schema: RecordSchema | None = None
 
     def __post_init__(self):
+        if self.schema is not None:
+            if self.sparse or self.weighted or self.num_dense_features:
+                raise ValueError(
+                    "give a FeatureLayout either a schema or sparse/weighted/"
+                    "num_dense_features, not both"
+                )
+            schema = self.schema
+            object.__setattr__(self, "sparse", tuple(c.name for c in schema.sparse))
+            object.__setattr__(
+                self, "weighted", frozenset(c.name for c in schema.sparse if c.weights_key)
+            )
+            object.__setattr__(self, "num_dense_features", schema.num_dense_features)
+            return
         if isinstance(self.sparse, str):
             raise TypeError(f"sparse must be a sequence of names, got the string {self.sparse!r}.")
         object.__setattr__(self, "sparse", tuple(self.sparse))
@@ -73,10 +107,9 @@ class FeatureLayout:
                 f"weighted names {unknown} are not sparse features {list(self.sparse)}; "
                 "list every weighted feature in `sparse` as well."
             )
-        count = self.num_dense_features
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"num_dense_features must be an integer >= 0, got {count!r}.")
-        keys = self.record_keys()
+        check_int(self.num_dense_features, "num_dense_features", 0)
+        weights = [weights_key(name) for name in self.sparse if name in self.weighted]
+        keys = [*self.sparse, *weights, DENSE_KEY, LABEL_KEY]
         repeated = sorted({key for key in keys if keys.count(key) > 1})
         if repeated:
             raise ValueError(
@@ -84,11 +117,17 @@ class FeatureLayout:
                 f"features so that no name repeats or equals {DENSE_KEY!r}, "
                 f"{LABEL_KEY!r} or another weighted feature's '<name>_weights'."
             )
+        fixed = RecordSchema.fixed(self.sparse, self.weighted, self.num_dense_features)
+        object.__setattr__(self, "schema", fixed)
+
+    @classmethod
+    def from_schema(cls, schema: RecordSchema) -> FeatureLayout:
+        """The layout that reads records of `schema`."""
+        return cls(schema=schema)
 
     def record_keys(self) -> list[str]:
         """Every key a record of this layout holds."""
-        weights = [weights_key(name) for name in self.sparse if name in self.weighted]
-        return [*self.sparse, *weights, DENSE_KEY, LABEL_KEY]
+        return self.schema.record_keys()
 
 
 class ParsedBatch(NamedTuple):
@@ -99,7 +138,8 @@ class ParsedBatch(NamedTuple):
         `int64[batch + 1]` row splits.
       weights: per weighted feature, `RaggedIds` with `float32[nnz]` values and
         the same row splits as its ids; unweighted features are absent.
-      dense: `float32[batch, num_dense_features]`.
+      dense: `float32[batch, num_dense_features]`, defaults filled in and
+        transforms applied.
       labels: `int32[batch]`, each 0 or 1.
     """
 
@@ -145,10 +185,13 @@ def parse_examples(records: Sequence[bytes], layout: FeatureLayout) -> ParsedBat
       The batch, in record order.
 
     Raises:
-      BadRecordError: a record is not an Example, lacks a feature, holds the
-        wrong value type or count, has a label other than 0/1, or has weights
-        whose count differs from its ids'. Names the first bad record.
+      BadRecordError: a record is not an Example, lacks a required key, holds
+        the wrong value type or count, a non-finite dense value or label, an
+        int label other than 0/1, or weights whose count differs from its
+        ids'. Names the first bad record.
+      ValueError: the layout standardizes a dense key without its moments.
     """
+    _check_moments(layout.schema)
     records = _as_record_list(records)
     try:
         return _parse_batch(records, layout)
@@ -169,6 +212,7 @@ def parse_examples_lenient(
       The batch of the good records (in order), and `(index, reason)` for every
       skipped record, by increasing index.
     """
+    _check_moments(layout.schema)
     records = _as_record_list(records)
     try:
         return _parse_batch(records, layout), []
@@ -231,40 +275,87 @@ def _as_record_list(records: Sequence[bytes]) -> list[bytes]:
     return records
 
 
+def _check_moments(schema: RecordSchema) -> None:
+    for column in schema.standardized():
+        if column.mean is None or column.std is None:
+            raise ValueError(
+                f"dense key {column.key!r} is standardized, but the layout has no mean "
+                "and std for it (run the FDO job, which computes them)"
+            )
+
+
+def _columns(schema: RecordSchema) -> list[tuple[str, int, int, int]]:
+    """`(key, wire kind, exact count or -1, hash buckets)` of every key read, in order."""
+    columns = []
+    for c in schema.sparse:
+        if c.ids is IdType.BYTES:
+            columns.append((c.key, BYTES_LIST, -1, c.hash_buckets))
+        else:
+            columns.append((c.key, INT64_LIST, -1, 0))
+    columns += [(c.weights_key, FLOAT_LIST, -1, 0) for c in schema.sparse if c.weights_key]
+    for c in schema.dense:
+        kind = FLOAT_LIST if c.type is ValueType.FLOAT else INT64_LIST
+        columns.append((c.key, kind, c.length if c.default is None else -1, 0))
+    label_kind = FLOAT_LIST if schema.label.type is ValueType.FLOAT else INT64_LIST
+    columns.append((schema.label.key, label_kind, 1, 0))
+    return columns
+
+
 @functools.lru_cache(maxsize=64)
-def _tf_spec(layout: FeatureLayout) -> dict[str, tf.io.RaggedFeature | tf.io.FixedLenFeature]:
-    spec = {}
-    for name in layout.sparse:
-        spec[name] = tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64)
-        if name in layout.weighted:
-            spec[weights_key(name)] = tf.io.RaggedFeature(tf.float32, row_splits_dtype=tf.int64)
-    if layout.num_dense_features:
-        spec[DENSE_KEY] = tf.io.FixedLenFeature([layout.num_dense_features], tf.float32)
-    spec[LABEL_KEY] = tf.io.FixedLenFeature([], tf.int64)
-    return spec
+def _wire_schema(layout: FeatureLayout) -> WireSchema:
+    return WireSchema(*(list(column) for column in zip(*_columns(layout.schema), strict=True)))
+
+
+_TF_DTYPES = {BYTES_LIST: tf.string, INT64_LIST: tf.int64, FLOAT_LIST: tf.float32}
+
+
+@functools.lru_cache(maxsize=64)
+def _tf_spec(layout: FeatureLayout) -> dict[str, tf.io.RaggedFeature]:
+    return {
+        key: tf.io.RaggedFeature(_TF_DTYPES[kind], row_splits_dtype=tf.int64)
+        for key, kind, _, _ in _columns(layout.schema)
+    }
 
 
 @functools.lru_cache(maxsize=64)
 def _tf_parser(layout: FeatureLayout) -> Callable[[tf.Tensor], dict[str, Any]]:
     """`tf.io.parse_example` of `layout` as one graph call.
 
-    The parser maps `string[batch]` records to a dict: `(values, row_splits)`
-    per ragged feature, the tensor per fixed-length one. Called eagerly, the
-    parse takes TF's slow eager fallback and builds every `RaggedTensor` in
-    Python, which costs more than the parse itself on a batch of a few
+    The parser maps `string[batch]` records to `(values, row_splits)` per key,
+    bytes values hashed by `tf.strings.to_hash_bucket_fast`. Called eagerly,
+    the parse takes TF's slow eager fallback and builds every `RaggedTensor`
+    in Python, which costs more than the parse itself on a batch of a few
     hundred records.
     """
     spec = _tf_spec(layout)
+    buckets = {key: n for key, kind, _, n in _columns(layout.schema) if kind == BYTES_LIST}
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
     def parse(records: tf.Tensor) -> dict[str, Any]:
         parsed = tf.io.parse_example(records, spec)
-        return {
-            key: (value.values, value.row_splits) if isinstance(value, tf.RaggedTensor) else value
-            for key, value in parsed.items()
-        }
+        out = {}
+        for key, ragged in parsed.items():
+            values = ragged.values
+            if key in buckets:
+                values = tf.strings.to_hash_bucket_fast(values, buckets[key])
+            out[key] = (values, ragged.row_splits)
+        return out
 
     return parse
+
+
+def _tf_parse(records: list[bytes], layout: FeatureLayout) -> dict[str, tuple]:
+    """`{key: (values, row_splits)}` (numpy) from `tf.io.parse_example`.
+
+    Raises:
+      _BatchRejected: TF rejects the batch.
+    """
+    try:
+        tensors = _tf_parser(layout)(tf.constant(records, dtype=tf.string))
+    # TF formats its message with the record's bytes, which need not be UTF-8.
+    except (tf.errors.InvalidArgumentError, UnicodeDecodeError) as error:
+        raise _BatchRejected("rejected by tf.io.parse_example") from error
+    return {key: tuple(t.numpy() for t in value) for key, value in tensors.items()}
 
 
 def _parse_batch(records: list[bytes], layout: FeatureLayout) -> ParsedBatch:
@@ -276,70 +367,82 @@ def _parse_batch(records: list[bytes], layout: FeatureLayout) -> ParsedBatch:
     parsed = read_examples(records, _wire_schema(layout))
     if parsed is None:
         parsed = _tf_parse(records, layout)
-    ids = {name: RaggedIds(*parsed[name]) for name in layout.sparse}
-    weights = {
-        name: RaggedIds(*parsed[weights_key(name)])
-        for name in layout.sparse
-        if name in layout.weighted
-    }
-    labels = parsed[LABEL_KEY][0]
-    for index in _suspect_rows(ids, weights, labels):
-        reason = _record_problem(records[index], layout)
+    schema = layout.schema
+    for index in _suspect_rows(parsed, schema, len(records)):
+        reason = _record_problem(records[index], schema)
         if reason:
             raise _BatchRejected(reason)
-    dense = parsed[DENSE_KEY][0] if layout.num_dense_features else np.zeros(0, np.float32)
+    ids = {c.name: RaggedIds(*parsed[c.key]) for c in schema.sparse}
+    weights = {c.name: RaggedIds(*parsed[c.weights_key]) for c in schema.sparse if c.weights_key}
+    dense = [_dense_values(*parsed[c.key], c) for c in schema.dense]
+    label_values = parsed[schema.label.key][0]
+    if schema.label.type is ValueType.FLOAT:
+        labels = (label_values > schema.label.threshold).astype(np.int32)
+    else:
+        labels = label_values.astype(np.int32)
     return ParsedBatch(
         ids=ids,
         weights=weights,
-        dense=dense.reshape(len(records), layout.num_dense_features),
-        labels=labels.astype(np.int32),
+        dense=np.concatenate(dense, axis=1) if dense else np.zeros((len(records), 0), np.float32),
+        labels=labels,
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _wire_schema(layout: FeatureLayout) -> WireSchema:
-    keys = [(name, INT64_LIST, -1) for name in layout.sparse]
-    keys += [
-        (weights_key(name), FLOAT_LIST, -1) for name in layout.sparse if name in layout.weighted
-    ]
-    if layout.num_dense_features:
-        keys.append((DENSE_KEY, FLOAT_LIST, layout.num_dense_features))
-    keys.append((LABEL_KEY, INT64_LIST, 1))
-    return WireSchema(*(list(column) for column in zip(*keys, strict=True)))
-
-
-def _tf_parse(records: list[bytes], layout: FeatureLayout) -> dict[str, tuple]:
-    """`{key: (values, row_splits or None)}` (numpy) from `tf.io.parse_example`.
-
-    Raises:
-      _BatchRejected: TF rejects the batch.
-    """
-    try:
-        tensors = _tf_parser(layout)(tf.constant(records, dtype=tf.string))
-    # TF formats its message with the record's bytes, which need not be UTF-8.
-    except (tf.errors.InvalidArgumentError, UnicodeDecodeError) as error:
-        raise _BatchRejected("rejected by tf.io.parse_example") from error
-    return {
-        key: tuple(t.numpy() for t in value) if isinstance(value, tuple) else (value.numpy(), None)
-        for key, value in tensors.items()
-    }
-
-
-def _suspect_rows(
-    ids: dict[str, RaggedIds], weights: dict[str, RaggedIds], labels: np.ndarray
-) -> np.ndarray:
+def _suspect_rows(parsed: dict[str, tuple], schema: RecordSchema, batch: int) -> np.ndarray:
     """`int64[k]` rows the batch parse cannot vouch for.
 
-    TF's ragged parse reads an absent feature as an empty row, and does not
-    look at label values or compare weight and id counts.
+    Both parses read an absent key as an empty row, and look neither at
+    values (labels, non-finite floats) nor at counts (weights against ids,
+    dense lengths, one label).
     """
-    suspect = (labels != 0) & (labels != 1)
-    for name, ragged in ids.items():
-        lengths = np.diff(ragged.row_splits)
-        suspect |= lengths == 0
-        if name in weights:
-            suspect |= np.diff(weights[name].row_splits) != lengths
+    suspect = np.zeros(batch, bool)
+    for c in schema.sparse:
+        lengths = np.diff(parsed[c.key][1])
+        if c.required:
+            suspect |= lengths == 0
+        if c.weights_key:
+            suspect |= np.diff(parsed[c.weights_key][1]) != lengths
+    for c in schema.dense:
+        values, splits = parsed[c.key]
+        counts = np.diff(splits)
+        suspect |= (counts != c.length) & ((counts != 0) | (c.default is None))
+        if c.type is ValueType.FLOAT:
+            _mark_rows(suspect, splits, ~np.isfinite(values))
+    values, splits = parsed[schema.label.key]
+    suspect |= np.diff(splits) != 1
+    if schema.label.type is ValueType.FLOAT:
+        bad = ~np.isfinite(values)
+    else:
+        bad = (values != 0) & (values != 1)
+    _mark_rows(suspect, splits, bad)
     return np.flatnonzero(suspect)
+
+
+def _mark_rows(suspect: np.ndarray, splits: np.ndarray, bad: np.ndarray) -> None:
+    """Sets `suspect[row]` for the row of every value where `bad` (`bool[nnz]`)."""
+    if bad.any():
+        suspect[np.repeat(np.arange(splits.size - 1), np.diff(splits))[bad]] = True
+
+
+def _dense_values(values: np.ndarray, splits: np.ndarray, column: DenseColumn) -> np.ndarray:
+    """`float32[batch, column.length]`: one key's values, defaults filled, transformed.
+
+    Every row holds `column.length` values, or none when the column has a default.
+    """
+    batch = splits.size - 1
+    values = values.astype(np.float32, copy=False)
+    present = np.diff(splits) == column.length
+    if present.all():
+        out = values.reshape(batch, column.length)
+    else:
+        out = np.full((batch, column.length), column.default, np.float32)
+        out[present] = values.reshape(-1, column.length)
+    if column.transform is DenseTransform.LOG1P:
+        return np.log1p(np.maximum(out, np.float32(0)))
+    if column.transform is DenseTransform.STANDARDIZE:
+        mean = np.asarray(column.mean, np.float32)
+        return (out - mean) / np.asarray(column.std, np.float32)
+    return out
 
 
 def _separate(
@@ -348,7 +451,7 @@ def _separate(
     """Judges every record; returns the batch of good ones and the bad ones."""
     problems = {}
     for index, record in enumerate(records):
-        reason = _record_problem(record, layout)
+        reason = _record_problem(record, layout.schema)
         if reason:
             problems[index] = reason
     good = [index for index in range(len(records)) if index not in problems]
@@ -376,59 +479,74 @@ def _tf_problem(record: bytes, layout: FeatureLayout) -> str | None:
     return None
 
 
-def _record_problem(record: bytes, layout: FeatureLayout) -> str | None:
-    """Why one record does not match the layout, or None when it does."""
+def _record_problem(record: bytes, schema: RecordSchema) -> str | None:
+    """Why one record does not match the schema, or None when it does."""
     try:
         example = tf.train.Example.FromString(record)
     except protobuf_message.DecodeError:
         return f"not a serialized tf.train.Example ({len(record)} bytes: {record[:32]!r}...)"
     features = example.features.feature
-    for name in layout.sparse:
-        ids, reason = _values(features, name, _INT64, empty_ok=True)
+    for c in schema.sparse:
+        kind = _BYTES if c.ids is IdType.BYTES else _INT64
+        ids, reason = _values(features, c.key, kind, optional=not c.required)
         if reason:
             return reason
-        if name in layout.weighted:
-            weights, reason = _values(features, weights_key(name), _FLOAT, empty_ok=True)
+        if c.weights_key:
+            weights, reason = _values(features, c.weights_key, _FLOAT, optional=not c.required)
             if reason:
                 return reason
             if len(weights) != len(ids):
                 return (
-                    f"feature {weights_key(name)!r} has {len(weights)} weights for "
-                    f"{len(ids)} ids of {name!r}"
+                    f"feature {c.weights_key!r} has {len(weights)} weights for "
+                    f"{len(ids)} ids of {c.key!r}"
                 )
-    if layout.num_dense_features:
-        dense, reason = _values(features, DENSE_KEY, _FLOAT)
+    for c in schema.dense:
+        reason = _dense_problem(features, c)
         if reason:
             return reason
-        if len(dense) != layout.num_dense_features:
-            return (
-                f"feature {DENSE_KEY!r} has {len(dense)} values, expected "
-                f"num_dense_features = {layout.num_dense_features}"
-            )
-    return _label_problem(features)
+    return _label_problem(features, schema)
 
 
-def _label_problem(features) -> str | None:
-    labels, reason = _values(features, LABEL_KEY, _INT64)
+def _dense_problem(features, column: DenseColumn) -> str | None:
+    has_default = column.default is not None
+    values, reason = _values(features, column.key, _LIST_NAMES[column.type], optional=has_default)
     if reason:
         return reason
-    if len(labels) != 1:
-        return f"feature {LABEL_KEY!r} has {len(labels)} values, expected exactly 1"
-    if labels[0] not in (0, 1):
-        return f"feature {LABEL_KEY!r} is {labels[0]}, expected 0 or 1"
+    if len(values) != column.length and not (has_default and not values):
+        what = "num_dense_features" if column.key == DENSE_KEY else "length"
+        return f"feature {column.key!r} has {len(values)} values, expected {what} = {column.length}"
+    bad = [value for value in values if not np.isfinite(value)]
+    if bad:
+        return f"feature {column.key!r} holds a non-finite value {bad[0]}"
     return None
 
 
-def _values(features, key: str, kind: str, *, empty_ok: bool = False):
+def _label_problem(features, schema: RecordSchema) -> str | None:
+    label = schema.label
+    labels, reason = _values(features, label.key, _LIST_NAMES[label.type], optional=False)
+    if reason:
+        return reason
+    if len(labels) != 1:
+        return f"feature {label.key!r} has {len(labels)} values, expected exactly 1"
+    if label.type is ValueType.FLOAT:
+        if not np.isfinite(labels[0]):
+            return f"feature {label.key!r} is {labels[0]}, expected a finite number"
+    elif labels[0] not in (0, 1):
+        return f"feature {label.key!r} is {labels[0]}, expected 0 or 1"
+    return None
+
+
+def _values(features, key: str, kind: str, *, optional: bool):
     """(values, None) of `features[key]`, or (None, reason) when it is unusable.
 
-    `empty_ok`: a feature with no list set reads as empty (as TF reads it).
+    A feature with no list set reads as empty (as TF reads it); so does an
+    absent one when `optional`.
     """
     if key not in features:
-        return None, f"missing feature {key!r}"
+        return ([], None) if optional else (None, f"missing feature {key!r}")
     feature = features[key]
     actual = feature.WhichOneof("kind")
-    if actual is None and empty_ok:
+    if actual is None:
         return [], None
     if actual != kind:
         return None, f"feature {key!r} holds a {actual or 'no value list'}, expected {kind}"

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 import embedding
+from embedding._checks import check_int
 from parallel import allreduce
 from pipelines._batching import BatchingConfig, BatchPlan, RecordReader
 from pipelines._errors import DataError
@@ -105,8 +106,7 @@ class PreprocessConfig:
         )
         for name in ("local_device_count", "global_device_count", "num_sc_per_device"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(value, name, 1)
         if self.global_device_count % self.local_device_count:
             raise ValueError(
                 f"local_device_count {self.local_device_count} must divide "

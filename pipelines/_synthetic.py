@@ -39,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from embedding import RaggedIds
+from embedding._checks import check_int
 from pipelines._errors import DataError
 from pipelines._parse import FeatureLayout, ParsedBatch, serialize_examples
 from pipelines._records import RecordFileWriter, RecordFormat
@@ -57,11 +58,6 @@ _CALIBRATION_STREAM = 2
 _HELD_OUT_EXAMPLE_STREAM = 3
 MANIFEST_NAME = "dataset.json"
 _MANIFEST_VERSION = 1
-
-
-def _check_int(value, what: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,9 +85,9 @@ class SyntheticFeature:
             raise ValueError(
                 f"SyntheticFeature name must be a non-empty string, got {self.name!r}."
             )
-        _check_int(self.vocabulary_size, f"Feature {self.name!r}: vocabulary_size", 1)
-        _check_int(self.min_valency, f"Feature {self.name!r}: min_valency", 1)
-        _check_int(self.max_valency, f"Feature {self.name!r}: max_valency", self.min_valency)
+        check_int(self.vocabulary_size, f"Feature {self.name!r}: vocabulary_size", 1)
+        check_int(self.min_valency, f"Feature {self.name!r}: min_valency", 1)
+        check_int(self.max_valency, f"Feature {self.name!r}: max_valency", self.min_valency)
         exponent = self.zipf_exponent
         if isinstance(exponent, bool) or not isinstance(exponent, int | float):
             raise TypeError(
@@ -181,9 +177,9 @@ def write_synthetic_dataset(
     """
     if not isinstance(dataset, SyntheticDataset):
         raise TypeError(f"dataset must be a SyntheticDataset, got {type(dataset).__name__}.")
-    _check_int(num_examples, "num_examples", 1)
-    _check_int(seed, "seed", 0)
-    _check_int(num_shards, "num_shards", 1)
+    check_int(num_examples, "num_examples", 1)
+    check_int(seed, "seed", 0)
+    check_int(num_shards, "num_shards", 1)
     if num_shards > num_examples:
         raise ValueError(
             f"num_shards = {num_shards} exceeds num_examples = {num_examples}; "

@@ -6,14 +6,11 @@ this package only wires them together for a run described by a YAML config.
 
 # First: it sets the logging environment before the imports below load TensorFlow and Beam.
 from sparseflow import _quiet_imports  # noqa: F401
-from sparseflow._config import (
-    ConfigError,
-    DatasetConfig,
-    MeshConfig,
-    PreprocessingConfig,
-    RunConfig,
-    load_config,
-)
+from sparseflow._config import RunConfig, load_config
+from sparseflow._config_checker import ConfigError
+from sparseflow._config_dataset import DatasetConfig
+from sparseflow._config_mesh import MeshConfig
+from sparseflow._config_preprocessing import PreprocessingConfig
 from sparseflow._errors import SparseflowError, UsageError
 from sparseflow._shipped_configs import shipped_config, shipped_config_names
 from sparseflow._version import __version__

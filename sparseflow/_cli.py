@@ -113,11 +113,11 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=Path, help="output directory (default: the config's dataset.dir)"
     )
     make.add_argument(
-        "--examples", type=positive_int, help="examples (default: the config's dataset.examples)"
+        "--examples", type=positive_int, help="examples (default: the config's synthetic.examples)"
     )
     make.add_argument("--seed", type=non_negative_int, help="seed (default: the config's seed)")
     make.add_argument(
-        "--shards", type=positive_int, help="files per format (default: dataset.shards)"
+        "--shards", type=positive_int, help="files per format (default: synthetic.shards)"
     )
     make.add_argument(
         "--formats",
@@ -182,16 +182,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _make_data(args: argparse.Namespace, config: RunConfig) -> None:
+    described = _stats_report.synthetic(config, "make-data")
     out = args.out or config.dataset.dir
-    examples = args.examples or config.dataset.examples
-    shards = args.shards or config.dataset.shards
+    examples = args.examples or described.examples
+    shards = args.shards or described.shards
     if shards > examples:
         raise UsageError(
             f"{shards} shards cannot each hold one of {examples} examples; lower --shards "
-            "(or dataset.shards) or raise --examples."
+            "(or synthetic.shards) or raise --examples."
         )
     files = pipelines.write_synthetic_dataset(
-        config.synthetic,
+        described.dataset,
         out,
         num_examples=examples,
         seed=config.seed if args.seed is None else args.seed,
@@ -211,7 +212,8 @@ def _run_demo(args: argparse.Namespace, config: RunConfig) -> None:
 def _run_stats(args: argparse.Namespace, config: RunConfig) -> None:
     if not _stats_report.dataset_exists(config):
         print(
-            f"Writing the synthetic dataset ({config.dataset.examples:,} examples) "
+            f"Writing the synthetic dataset "
+            f"({_stats_report.synthetic(config, 'stats').examples:,} examples) "
             f"to {config.dataset.dir} ..."
         )
         _stats_report.make_dataset(config)

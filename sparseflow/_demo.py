@@ -54,12 +54,14 @@ def claim_run_dir(config: RunConfig) -> Path:
 
 def ensure_data(config: RunConfig) -> None:
     if not _stats_report.dataset_exists(config):
-        print(f"Writing {config.dataset.examples:,} training examples to {config.dataset.dir} ...")
+        examples = _stats_report.synthetic(config, "the demo").examples
+        print(f"Writing {examples:,} training examples to {config.dataset.dir} ...")
         _stats_report.make_dataset(config)
     _stats_report.checked_manifest(config)
     held_out = _stats_report.held_out_dir(config)
     if not (held_out / _stats_report.MANIFEST_NAME).is_file():
-        print(f"Writing {config.dataset.eval_examples:,} held-out examples to {held_out} ...")
+        examples = config.synthetic.eval_examples
+        print(f"Writing {examples:,} held-out examples to {held_out} ...")
         _stats_report.make_held_out(config)
 
 

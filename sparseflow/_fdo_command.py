@@ -21,10 +21,9 @@ from pathlib import Path
 
 import beam_jobs
 import embedding
+import pipelines
 from sparseflow._config import RunConfig
 from sparseflow._runner_options import add_runner_arguments, dask_address, pipeline_args
-
-_DEFAULT_FORMAT_DIR = "arrayrecord"
 
 
 def _headroom(text: str) -> float:
@@ -47,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         help="record files (ArrayRecord or TFRecord): files, directories or glob patterns, "
         "local or fsspec URLs as --out takes (gs://bucket/data, file:///data), read in the "
-        f"given order (default: the config's dataset.dir/{_DEFAULT_FORMAT_DIR})",
+        "given order (default: the config's dataset.train, or the synthetic data under "
+        "dataset.dir)",
     )
     parser.add_argument(
         "--out", help="output directory of the stats (default: the config's dataset.dir/fdo)"
@@ -67,7 +67,9 @@ def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
     mesh = config.mesh
     return beam_jobs.FdoJobConfig(
         feature_specs=config.feature_specs,
-        layout=config.synthetic.feature_layout(),
+        # The moments of standardized keys are those of the raw values.
+        layout=pipelines.FeatureLayout.from_schema(config.layout.schema.without_standardization()),
+        moments_schema=config.layout.schema if config.layout.schema.standardized() else None,
         geometry=embedding.FdoGeometry(
             global_batch_size=config.global_batch_size,
             devices=mesh.devices,
@@ -96,7 +98,7 @@ def configured_limits(config: RunConfig) -> dict[str, int]:
 
 def run(args: argparse.Namespace, config: RunConfig) -> None:
     """Runs the job, prints where the stats went and the limits they call for."""
-    data = args.data or [str(config.dataset.dir / _DEFAULT_FORMAT_DIR)]
+    data = args.data or list(config.dataset.train_data)
     out = args.out or str(config.dataset.dir / "fdo")
     with dask_address(args) as address:
         result = beam_jobs.run_fdo_job(job_config(config), data, out, pipeline_args(args, address))

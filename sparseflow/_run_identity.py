@@ -42,7 +42,7 @@ def run_identity(
     return {
         "tables": _plain(config.tables),
         "features": _plain(config.feature_specs),
-        "dense_features": config.synthetic.num_dense_features,
+        "dense_features": config.layout.num_dense_features,
         "mesh": dict(_plain(config.mesh), processes=processes),
         "global_batch_size": config.global_batch_size,
         "preprocessing": _plain(config.preprocessing),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -22,9 +21,11 @@ import tqdm
 import embedding
 import pipelines
 from sparseflow._config import RunConfig
+from sparseflow._config_synthetic import SyntheticConfig
+from sparseflow._id_coverage import FeatureCoverage, IdCoverage, format_coverage
+from sparseflow._text_table import aligned_table
 
 MANIFEST_NAME = "dataset.json"
-_READ_FORMAT = "arrayrecord"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,8 @@ class StatsReport:
       parse_seconds: time spent parsing records.
       preprocess_seconds: time spent in `preprocess_sparse_dense_matmul_input`.
       stacks: one summary per stacked table.
+      features: per feature, its distinct ids and how many are out of
+        vocabulary or collide under hashing.
     """
 
     batches: int
@@ -78,21 +81,38 @@ class StatsReport:
     parse_seconds: float
     preprocess_seconds: float
     stacks: tuple[StackSummary, ...]
+    features: tuple[FeatureCoverage, ...] = ()
 
 
 def dataset_exists(config: RunConfig) -> bool:
-    """Whether the config's dataset directory holds a complete dataset."""
-    return (config.dataset.dir / MANIFEST_NAME).is_file()
+    """Whether the config's dataset exists: records named by `dataset.train`, or a
+    complete synthetic dataset in its directory."""
+    return config.dataset.train is not None or (config.dataset.dir / MANIFEST_NAME).is_file()
+
+
+def synthetic(config: RunConfig, command: str) -> SyntheticConfig:
+    """The config's `synthetic` section, which `command` needs.
+
+    Raises:
+      ValueError: the config has none.
+    """
+    if config.synthetic is None:
+        raise ValueError(
+            f"{command} writes synthetic data, described by a config's `synthetic` "
+            f"section; {config.source_path} has none."
+        )
+    return config.synthetic
 
 
 def make_dataset(config: RunConfig) -> dict[str, list[str]]:
     """Writes the config's synthetic training set; returns the files per format."""
+    described = synthetic(config, "make-data")
     return pipelines.write_synthetic_dataset(
-        config.synthetic,
+        described.dataset,
         config.dataset.dir,
-        num_examples=config.dataset.examples,
+        num_examples=described.examples,
         seed=config.seed,
-        num_shards=config.dataset.shards,
+        num_shards=described.shards,
     )
 
 
@@ -103,10 +123,11 @@ def held_out_dir(config: RunConfig):
 
 def make_held_out(config: RunConfig) -> dict[str, list[str]]:
     """Writes the held-out split (same labelling function, other examples)."""
+    described = synthetic(config, "make-data")
     return pipelines.write_synthetic_dataset(
-        config.synthetic,
+        described.dataset,
         held_out_dir(config),
-        num_examples=config.dataset.eval_examples,
+        num_examples=described.eval_examples,
         seed=config.seed,
         num_shards=1,
         formats=("arrayrecord",),
@@ -118,10 +139,11 @@ def checked_manifest(config: RunConfig) -> dict:
     """The dataset's manifest, checked to describe the config's features."""
     path = config.dataset.dir / MANIFEST_NAME
     manifest = json.loads(path.read_text())
-    expected = [dataclasses.asdict(f) for f in config.synthetic.features]
+    described = synthetic(config, "the synthetic dataset").dataset
+    expected = [dataclasses.asdict(f) for f in described.features]
     if (
         manifest.get("features") != expected
-        or manifest.get("num_dense_features") != config.synthetic.num_dense_features
+        or manifest.get("num_dense_features") != described.num_dense_features
     ):
         raise pipelines.DataError(
             f"The dataset in {config.dataset.dir} was made for other features than "
@@ -131,9 +153,11 @@ def checked_manifest(config: RunConfig) -> dict:
     return manifest
 
 
-def _global_batches(records: Iterator[bytes], size: int, limit: int) -> Iterator[list[bytes]]:
-    """Consecutive full batches of `size` records, at most `limit` of them."""
-    for _ in range(limit):
+def _global_batches(
+    records: Iterator[bytes], size: int, limit: int | None
+) -> Iterator[list[bytes]]:
+    """Consecutive full batches of `size` records, at most `limit` of them (None: all)."""
+    for _ in itertools.count() if limit is None else range(limit):
         batch = list(itertools.islice(records, size))
         if len(batch) < size:
             return
@@ -226,7 +250,7 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
     """Parses and preprocesses the config's dataset, one global batch at a time.
 
     Args:
-      config: the run; its dataset must exist (`make_dataset`).
+      config: the run; its dataset must exist (`dataset.train`, or `make_dataset`).
       max_batches: stop after this many batches (default: one pass).
 
     Returns:
@@ -238,17 +262,23 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
         batch breaks a limit with dropping off, or holds an invalid id with
         the "raise" policy.
     """
-    manifest = checked_manifest(config)
     batch_size = config.global_batch_size
-    available = manifest["num_examples"] // batch_size
-    if not available:
-        raise pipelines.DataError(
-            f"The dataset in {config.dataset.dir} holds {manifest['num_examples']} "
-            f"examples, less than one global batch of {batch_size}."
-        )
-    num_batches = available if max_batches is None else min(max_batches, available)
-    files = pipelines.list_record_files(os.fspath(config.dataset.dir / _READ_FORMAT))
-    layout = config.synthetic.feature_layout()
+    if config.dataset.train is None:
+        manifest = checked_manifest(config)
+        available = manifest["num_examples"] // batch_size
+        if not available:
+            raise pipelines.DataError(
+                f"The dataset in {config.dataset.dir} holds {manifest['num_examples']} "
+                f"examples, less than one global batch of {batch_size}."
+            )
+        num_batches = available if max_batches is None else min(max_batches, available)
+    else:
+        num_batches = max_batches
+    files = pipelines.list_record_files(list(config.dataset.train_data))
+    layout = config.layout
+    coverage = IdCoverage(
+        layout, {name: f.table_spec.vocabulary_size for name, f in config.feature_specs.items()}
+    )
     stats, ids_per_feature = [], dict.fromkeys(config.feature_specs, 0)
     parse_seconds = preprocess_seconds = 0.0
     batches = _global_batches(pipelines.read_records(files), batch_size, num_batches)
@@ -261,6 +291,13 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
         parse_seconds += middle - start
         for name in ids_per_feature:
             ids_per_feature[name] += parsed.ids[name].values.size
+        wide = coverage.wide_layout and pipelines.parse_examples(records, coverage.wide_layout)
+        coverage.add(parsed, wide)
+    if not stats:
+        raise ValueError(
+            f"The records of {', '.join(config.dataset.train_data)} hold less than one "
+            f"global batch of {batch_size}."
+        )
     return StatsReport(
         batches=len(stats),
         examples=len(stats) * batch_size,
@@ -268,6 +305,7 @@ def run_stats(config: RunConfig, *, max_batches: int | None = None) -> StatsRepo
         parse_seconds=parse_seconds,
         preprocess_seconds=preprocess_seconds,
         stacks=_summaries(config, stats, ids_per_feature),
+        features=coverage.summaries(),
     )
 
 
@@ -297,22 +335,20 @@ def _row(stack: StackSummary) -> tuple[str, ...]:
 
 
 def format_report(result: StatsReport) -> str:
-    """The per-stack summary as an aligned text table, with the throughput."""
+    """The per-stack and per-feature summaries as aligned text tables, with the throughput."""
     rows = [tuple(name for name, _ in _COLUMNS), *map(_row, result.stacks)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = [
-        "  ".join(
-            f"{cell:{align}{width}}" for cell, (_, align), width in zip(row, _COLUMNS, widths)
-        ).rstrip()
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = aligned_table(rows, [align for _, align in _COLUMNS])
     preprocess_rate = result.ids / result.preprocess_seconds if result.preprocess_seconds else 0.0
     parse_rate = result.examples / result.parse_seconds if result.parse_seconds else 0.0
     lines += [
         "",
         "limits: max ids/part and max unique/part show the batch maximum / the table's limit;",
         "buffer/slot shows the entries a partition slot needed / the entries it owns.",
+        "",
+        *format_coverage(result.features),
+        "",
+        "distinct: ids (hashed: strings) seen; out of vocab: distinct ids outside the table;",
+        "hash collisions: distinct strings sharing a table row with another.",
         f"{result.batches} batches, {result.examples:,} examples, {result.ids:,} ids; "
         f"parsing {parse_rate:,.0f} examples/s; preprocessing {preprocess_rate:,.0f} ids/s "
         f"({1000 * result.preprocess_seconds / max(result.batches, 1):.1f} ms/batch).",

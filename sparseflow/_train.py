@@ -130,6 +130,21 @@ def _feature_specs(config: RunConfig, options: TrainOptions, mesh: Mesh):
     )
 
 
+def record_layout(config: RunConfig, options: TrainOptions) -> pipelines.FeatureLayout:
+    """The config's record layout, its standardized dense keys given the FDO job's moments."""
+    schema = config.layout.schema
+    if not schema.standardized():
+        return config.layout
+    if options.fdo_dir is None:
+        keys = [column.key for column in schema.standardized()]
+        raise ValueError(
+            f"the dense keys {keys} are standardized with the mean and std the FDO job "
+            "computes: give the FDO output directory (--fdo)"
+        )
+    moments = pipelines.load_dense_moments(options.fdo_dir)
+    return pipelines.FeatureLayout.from_schema(schema.with_moments(moments))
+
+
 def fdo_geometry(config: RunConfig) -> embedding.FdoGeometry:
     """The batch geometry FDO stats must have been computed for."""
     return embedding.FdoGeometry(
@@ -178,7 +193,7 @@ def _preprocess_config(
     pre = config.preprocessing
     return pipelines.PreprocessConfig(
         feature_specs=specs,
-        layout=config.synthetic.feature_layout(),
+        layout=record_layout(config, options),
         local_device_count=mesh.local_mesh.size,
         global_device_count=mesh.size,
         num_sc_per_device=config.mesh.partitions_per_device,
@@ -261,7 +276,7 @@ class _Run:
             init_train_state(
                 key_dense,
                 config.model,
-                config.synthetic.num_dense_features,
+                config.layout.num_dense_features,
                 dims,
                 self.stages.optimizer,
             ),

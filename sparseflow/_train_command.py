@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", help="training ArrayRecord files, dir or glob (default: the config's dataset)"
     )
-    parser.add_argument("--eval-data", help="held-out ArrayRecord data: report its AUC at the end")
+    parser.add_argument(
+        "--eval-data",
+        help="held-out ArrayRecord data: report its AUC at the end (default: dataset.eval)",
+    )
     parser.add_argument(
         "--steps", type=positive_int, help="training steps (default: training.steps)"
     )
@@ -140,8 +143,8 @@ def with_agreement_security(args: argparse.Namespace, config: RunConfig) -> RunC
 
 def options(args: argparse.Namespace, config: RunConfig) -> _train.TrainOptions:
     return _train.TrainOptions(
-        data=args.data or str(config.dataset.dir / "arrayrecord"),
-        eval_data=args.eval_data,
+        data=args.data or list(config.dataset.train_data),
+        eval_data=args.eval_data or config.dataset.eval,
         steps=args.steps,
         pipelined=args.pipelined,
         fdo_dir=args.fdo,

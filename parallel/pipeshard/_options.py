@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from embedding._checks import check_positive_int
+
 
 class PipelineSchedule(enum.Enum):
     """Order in which stages run the forward and backward of microbatches.
@@ -46,11 +48,6 @@ class LossReduction(enum.Enum):
     SUM = "sum"
 
 
-def _positive_int(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}.")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ManualLayerOption:
     """Layers are cut at the `mark_pipeline_boundary()` calls of the model."""
@@ -75,7 +72,7 @@ class AutoLayerOption:
     flops_tolerance: float = 0.1
 
     def __post_init__(self):
-        _positive_int(self.layer_num, "AutoLayerOption.layer_num")
+        check_positive_int(self.layer_num, "AutoLayerOption.layer_num")
         if not self.flops_tolerance >= 0:
             raise ValueError(
                 f"AutoLayerOption.flops_tolerance must be >= 0, got {self.flops_tolerance!r}."
@@ -96,7 +93,7 @@ class UniformStageOption:
 
     def __post_init__(self):
         if self.num_stages is not None:
-            _positive_int(self.num_stages, "UniformStageOption.num_stages")
+            check_positive_int(self.num_stages, "UniformStageOption.num_stages")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,14 +119,14 @@ class AutoStageOption:
 
     def __post_init__(self):
         if self.num_stages is not None:
-            _positive_int(self.num_stages, "AutoStageOption.num_stages")
+            check_positive_int(self.num_stages, "AutoStageOption.num_stages")
         if self.submesh_sizes is not None:
             object.__setattr__(self, "submesh_sizes", tuple(self.submesh_sizes))
             if not self.submesh_sizes:
                 raise ValueError("AutoStageOption.submesh_sizes must not be empty.")
             for size in self.submesh_sizes:
-                _positive_int(size, "AutoStageOption.submesh_sizes entry")
-        _positive_int(self.profile_repeats, "AutoStageOption.profile_repeats")
+                check_positive_int(size, "AutoStageOption.submesh_sizes entry")
+        check_positive_int(self.profile_repeats, "AutoStageOption.profile_repeats")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,7 +167,7 @@ class ManualStageOption:
                 "(or, with virtual stages, one per device group)."
             )
         for count in self.submesh_device_counts:
-            _positive_int(count, "ManualStageOption.submesh_device_counts entry")
+            check_positive_int(count, "ManualStageOption.submesh_device_counts entry")
 
 
 LayerOption = ManualLayerOption | AutoLayerOption
@@ -239,14 +236,14 @@ class PipeshardParallel:
     time_tasks: bool = False
 
     def __post_init__(self):
-        _positive_int(self.num_micro_batches, "PipeshardParallel.num_micro_batches")
+        check_positive_int(self.num_micro_batches, "PipeshardParallel.num_micro_batches")
         object.__setattr__(self, "layer_option", _layer_option(self.layer_option))
         object.__setattr__(self, "stage_option", _stage_option(self.stage_option))
         schedule = _enum_value(
             PipelineSchedule, self.pipeline_schedule, "PipeshardParallel.pipeline_schedule"
         )
         object.__setattr__(self, "pipeline_schedule", schedule)
-        _positive_int(self.virtual_stages, "PipeshardParallel.virtual_stages")
+        check_positive_int(self.virtual_stages, "PipeshardParallel.virtual_stages")
         if self.virtual_stages > 1 and schedule is not PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
             raise ValueError(
                 f"PipeshardParallel.virtual_stages={self.virtual_stages} needs "

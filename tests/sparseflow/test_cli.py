@@ -43,13 +43,24 @@ def _config(tmp_path: Path, *, limit: int = 64, allow_id_dropping: bool = False,
         ],
         "stacks": [["a", "b"]],
         "features": [
-            {"name": "fa1", "table": "a", "valency": [1, 3]},
-            {"name": "fa2", "table": "a", "valency": [1, 2]},
-            {"name": "fb", "table": "b", "valency": [1, 1], "weighted": True},
-            {"name": "fc", "table": "c", "valency": [1, 2], "zipf": 2.0},
+            {"name": "fa1", "table": "a"},
+            {"name": "fa2", "table": "a"},
+            {"name": "fb", "table": "b", "weighted": True},
+            {"name": "fc", "table": "c"},
         ],
         "dense_features": 3,
-        "dataset": {"dir": "data", "examples": 200, "eval_examples": 20, "shards": 2},
+        "dataset": {"dir": "data"},
+        "synthetic": {
+            "examples": 200,
+            "eval_examples": 20,
+            "shards": 2,
+            "features": {
+                "fa1": {"valency": [1, 3]},
+                "fa2": {"valency": [1, 2]},
+                "fb": {"valency": [1, 1]},
+                "fc": {"valency": [1, 2], "zipf": 2.0},
+            },
+        },
         **top,
     }
     path = tmp_path / "tiny.yaml"
@@ -100,7 +111,7 @@ def test_make_data_writes_the_requested_dataset(tmp_path, capsys):
     assert len(pipelines.list_record_files(str(out / "arrayrecord"))) == 2
     records = _records(out / "arrayrecord")
     assert len(records) == 200
-    layout = load_config(tmp_path / "tiny.yaml").synthetic.feature_layout()
+    layout = load_config(tmp_path / "tiny.yaml").layout
     assert pipelines.parse_examples(records, layout).labels.shape == (200,)
 
 
@@ -115,7 +126,7 @@ def test_stats_makes_the_dataset_and_summarizes_every_stack(tmp_path, capsys):
     # ids/batch, counted independently from the first two batches' records.
     parsed = pipelines.parse_examples(
         _records(tmp_path / "data" / "arrayrecord")[: 2 * BATCH],
-        load_config(config).synthetic.feature_layout(),
+        load_config(config).layout,
     )
     ids = {name: parsed.ids[name].values.size for name in parsed.ids}
     assert rows["a_b"][2] == f"{(ids['fa1'] + ids['fa2'] + ids['fb']) / 2:,.0f}"

@@ -56,13 +56,24 @@ def _base() -> dict:
         ],
         "stacks": [["a", "b"]],
         "features": [
-            {"name": "fa1", "table": "a", "valency": [1, 4]},
-            {"name": "fa2", "table": "a", "valency": [2, 3], "zipf": 1.3},
-            {"name": "fb", "table": "b", "valency": [1, 1], "weighted": True},
-            {"name": "fc", "table": "c", "valency": [1, 2], "zipf": 2.5},
+            {"name": "fa1", "table": "a"},
+            {"name": "fa2", "table": "a"},
+            {"name": "fb", "table": "b", "weighted": True},
+            {"name": "fc", "table": "c"},
         ],
         "dense_features": 5,
-        "dataset": {"dir": "data", "examples": 1000, "eval_examples": 100, "shards": 2},
+        "dataset": {"dir": "data"},
+        "synthetic": {
+            "examples": 1000,
+            "eval_examples": 100,
+            "shards": 2,
+            "features": {
+                "fa1": {"valency": [1, 4]},
+                "fa2": {"valency": [2, 3], "zipf": 1.3},
+                "fb": {"valency": [1, 1]},
+                "fc": {"valency": [1, 2], "zipf": 2.5},
+            },
+        },
     }
 
 
@@ -103,19 +114,19 @@ def _expected_tables() -> dict[str, embedding.TableSpec]:
 
 
 def _expected_feature_specs(tables) -> dict:
-    def feature(name, table, valency):
+    def feature(name, table):
         return embedding.FeatureSpec(
             name=name,
             table_spec=tables[table],
-            input_shape=[64, valency],
+            input_shape=[64],
             output_shape=[64, tables[table].embedding_dim],
         )
 
     specs = {
-        "fa1": feature("fa1", "a", 4),
-        "fa2": feature("fa2", "a", 3),
-        "fb": feature("fb", "b", 1),
-        "fc": feature("fc", "c", 2),
+        "fa1": feature("fa1", "a"),
+        "fa2": feature("fa2", "a"),
+        "fb": feature("fb", "b"),
+        "fc": feature("fc", "c"),
     }
     return embedding.stack_tables(specs, ["a", "b"], 8, 2)
 
@@ -134,15 +145,17 @@ def test_valid_config_builds_the_hand_built_specs(tmp_path):
     assert config.preprocessing.allow_id_dropping is True
     assert config.preprocessing.invalid_id_policy is embedding.InvalidIdPolicy.DROP
     assert config.dataset.dir == tmp_path / "data"
-    assert (config.dataset.examples, config.dataset.eval_examples) == (1000, 100)
-    assert config.dataset.shards == 2
+    assert (config.dataset.train, config.dataset.eval) == (None, None)
+    assert config.dataset.train_data == (str(tmp_path / "data" / "arrayrecord"),)
+    assert (config.synthetic.examples, config.synthetic.eval_examples) == (1000, 100)
+    assert config.synthetic.shards == 2
     assert config.source_path == tmp_path / "run.yaml"
 
 
 def test_valid_config_builds_the_synthetic_dataset(tmp_path):
     config = load_config(_write(tmp_path, _base()))
     feature = pipelines.SyntheticFeature
-    assert config.synthetic == pipelines.SyntheticDataset(
+    assert config.synthetic.dataset == pipelines.SyntheticDataset(
         features=(
             feature(
                 name="fa1", vocabulary_size=1000, min_valency=1, max_valency=4, zipf_exponent=1.1
@@ -168,11 +181,11 @@ def test_valid_config_builds_the_synthetic_dataset(tmp_path):
 
 def test_optional_sections_take_their_defaults(tmp_path):
     raw = _base()
-    del raw["preprocessing"], raw["stacks"], raw["dataset"]["shards"]
+    del raw["preprocessing"], raw["stacks"], raw["synthetic"]["shards"]
     config = load_config(_write(tmp_path, raw))
     assert config.preprocessing.allow_id_dropping is False
     assert config.preprocessing.invalid_id_policy is embedding.InvalidIdPolicy.RAISE
-    assert config.dataset.shards == 1
+    assert config.synthetic.shards == 1
     assert not any(f.table_spec.is_stacked() for f in config.feature_specs.values())
     assert config.training.worker_priority is pipelines.WorkerPriority.IDLE
 
@@ -219,7 +232,9 @@ def test_config_hash_is_canonical_and_tracks_values(tmp_path):
         ("tables.2.initializer.value", 0.5),
         ("tables.0.max_ids_per_partition", 128),
         ("tables.2.combiner", "mean"),
-        ("features.1.zipf", 1.1),
+        ("synthetic.features.fa2.zipf", 1.1),
+        ("synthetic.features.fa1.valency", [1, 9]),
+        ("synthetic.examples", 64),
         ("dense_features", 7),
         ("seed", 4),
     ],
@@ -361,28 +376,28 @@ ERROR_CASES = {
         "global_batch_size: 72 is not divisible by devices x partitions_per_device = 16",
     ),
     "valency min > max": (
-        _set("features.0.valency", [5, 2]),
-        "features[0].valency: min valency 5 is greater than max valency 2",
+        _set("synthetic.features.fa1.valency", [5, 2]),
+        "synthetic.features.fa1.valency: min valency 5 is greater than max valency 2",
     ),
     "valency min < 1": (
-        _set("features.0.valency", [0, 2]),
-        "features[0].valency: min valency must be >= 1",
+        _set("synthetic.features.fa1.valency", [0, 2]),
+        "synthetic.features.fa1.valency: min valency must be >= 1",
     ),
     "valency not a pair": (
-        _set("features.0.valency", [1, 2, 3]),
-        "features[0].valency: expected [min, max]",
+        _set("synthetic.features.fa1.valency", [1, 2, 3]),
+        "synthetic.features.fa1.valency: expected [min, max]",
     ),
     "valency not ints": (
-        _set("features.0.valency", [1, 2.5]),
-        "features[0].valency[1]: expected an integer",
+        _set("synthetic.features.fa1.valency", [1, 2.5]),
+        "synthetic.features.fa1.valency[1]: expected an integer",
     ),
     "zipf equal to 1": (
-        _set("features.1.zipf", 1.0),
-        "features[1].zipf: the Zipf exponent must be > 1, got 1.0",
+        _set("synthetic.features.fa2.zipf", 1.0),
+        "synthetic.features.fa2.zipf: the Zipf exponent must be > 1, got 1.0",
     ),
     "zipf below 1": (
-        _set("features.1.zipf", 0.5),
-        "features[1].zipf: the Zipf exponent must be > 1",
+        _set("synthetic.features.fa2.zipf", 0.5),
+        "synthetic.features.fa2.zipf: the Zipf exponent must be > 1",
     ),
     "unknown optimizer": (
         _set("tables.0.optimizer.type", "rmsprop"),
@@ -508,7 +523,7 @@ def test_demo_config_has_the_documented_shape():
     }
     assert all(1000 <= t.vocabulary_size <= 100_000 for t in config.tables.values())
     assert all(8 <= t.embedding_dim <= 16 for t in config.tables.values())
-    assert (config.dataset.examples, config.dataset.eval_examples) == (50_000, 5_000)
+    assert (config.synthetic.examples, config.synthetic.eval_examples) == (50_000, 5_000)
     # One idle-priority worker: input work must not take the step's cores.
     assert config.training.workers == 1
     assert config.training.worker_priority is pipelines.WorkerPriority.IDLE
@@ -522,7 +537,7 @@ def test_shipped_limits_cannot_be_exceeded(name):
     prepared = embedding.prepare_feature_specs_for_training(
         config.feature_specs, mesh.devices, mesh.partitions_per_device
     )
-    valency = {f.name: f.max_valency for f in config.synthetic.features}
+    valency = {f.name: f.max_valency for f in config.synthetic.dataset.features}
     bound: dict[str, int] = {}
     for feature in prepared.values():
         stack = feature.table_spec.stacked_table_spec.stack_name
@@ -540,6 +555,6 @@ def test_benchmark_config_has_the_benchmark_geometry():
     assert [(t.vocabulary_size, t.embedding_dim) for t in config.tables.values()] == [
         (1_000_000, 16)
     ] * 8
-    assert {(f.min_valency, f.max_valency, f.zipf_exponent) for f in config.synthetic.features} == {
-        (1, 20, 1.1)
-    }
+    assert {
+        (f.min_valency, f.max_valency, f.zipf_exponent) for f in config.synthetic.dataset.features
+    } == {(1, 20, 1.1)}

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _small_demo_config(tmp_path: Path) -> Path:
     raw = yaml.safe_load(shipped_config("demo").read_text())
-    raw["dataset"] = {"dir": str(tmp_path / "data"), "examples": 3072, "eval_examples": 1024}
+    raw["dataset"] = {"dir": str(tmp_path / "data")}
+    raw["synthetic"].update(examples=3072, eval_examples=1024)
     raw["training"] = dict(raw["training"], steps=4, epochs=1, checkpoint_every=2, log_every=2)
     config = tmp_path / "demo.yaml"
     config.write_text(yaml.safe_dump(raw))

@@ -21,8 +21,13 @@ BATCH = 512
 BAD_BATCH = 5
 
 
-def _with_nan_dense(data: str, out: Path, record_index: int) -> str:
-    """A copy of the ArrayRecord files of `data` with a NaN dense value in one record."""
+# A finite dense value the dense tower overflows on. A NaN or infinite value
+# never reaches the model: the parser rejects its record as bad.
+_HUGE = 3.0e38
+
+
+def _with_huge_dense(data: str, out: Path, record_index: int) -> str:
+    """A copy of the ArrayRecord files of `data` with huge dense values in one record."""
     out.mkdir()
     index = 0
     for path in pipelines.list_record_files(data):
@@ -30,7 +35,8 @@ def _with_nan_dense(data: str, out: Path, record_index: int) -> str:
             for record in pipelines.read_records(path):
                 if index == record_index:
                     example = tf.train.Example.FromString(record)
-                    example.features.feature[DENSE_KEY].float_list.value[0] = math.nan
+                    dense = example.features.feature[DENSE_KEY].float_list.value
+                    dense[:] = [_HUGE] * len(dense)
                     record = example.SerializeToString()
                 writer.write(record)
                 index += 1
@@ -41,20 +47,21 @@ def _finite(tree) -> bool:
     return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
 
 
-def test_a_nan_input_stops_training_and_keeps_the_last_good_checkpoint(small_run):
+def test_an_overflowing_input_stops_training_and_keeps_the_last_good_checkpoint(small_run):
     tmp, _, config, data = small_run
     # Unshuffled, record r is in global batch r // BATCH.
     config = dataclasses.replace(
         config, training=dataclasses.replace(config.training, shuffle=False)
     )
-    bad_data = _with_nan_dense(data, tmp / "nan_data", BAD_BATCH * BATCH + 3)
+    bad_data = _with_huge_dense(data, tmp / "huge_data", BAD_BATCH * BATCH + 3)
     checkpoints = tmp / "diverged"
     options = _train.TrainOptions(
         data=bad_data, steps=8, pipelined=False, progress=False, checkpoint_dir=checkpoints
     )
     with pytest.raises(
         _train.TrainingDivergedError,
-        match=rf"loss of step {BAD_BATCH + 1} \(global batch {BAD_BATCH} of the input\) is nan.*"
+        match=rf"loss of step {BAD_BATCH + 1} \(global batch {BAD_BATCH} of the input\) "
+        r"is (nan|inf).*"
         rf"the dataset's records {BAD_BATCH * BATCH}-{(BAD_BATCH + 1) * BATCH - 1} \(",
     ):
         _train.train(config, options)

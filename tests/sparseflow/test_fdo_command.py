@@ -22,7 +22,7 @@ def test_fdo_writes_stats_for_the_config_and_a_figure(tmp_path, capsys):
     config_path = tiny_config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
-        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
     )
     out, figure = tmp_path / "fdo", tmp_path / "fdo.png"
     status = _cli.main(
@@ -106,7 +106,7 @@ def test_stats_serve_a_new_learning_rate_and_refuse_a_new_vocabulary(tmp_path, c
     config_path = tiny_config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
-        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
     )
     out = tmp_path / "fdo"
     status = _cli.main(["fdo", "--config", str(config_path), "--out", str(out)])
@@ -159,7 +159,7 @@ def test_fdo_on_a_local_dask_cluster_writes_the_in_process_stats(tmp_path, capsy
     config_path = tiny_config(tmp_path)
     config = load_config(config_path)
     pipelines.write_synthetic_dataset(
-        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
     )
     runs = {
         "in_process": [],

@@ -48,9 +48,14 @@ def census(tmp_path_factory):
         "global_batch_size": 128,
         "preprocessing": {"allow_id_dropping": False, "enable_minibatching": False},
         "tables": [{"name": n, "vocabulary_size": v, **table} for n, v in _COLUMNS.items()],
-        "features": [{"name": n, "table": n, "valency": [1, 1], "zipf": 1.1} for n in _COLUMNS],
+        "features": [{"name": n, "table": n} for n in _COLUMNS],
         "dense_features": 2,
-        "dataset": {"dir": str(tmp / "data"), "examples": EXAMPLES, "eval_examples": 10},
+        "dataset": {"dir": str(tmp / "data")},
+        "synthetic": {
+            "examples": EXAMPLES,
+            "eval_examples": 10,
+            "features": {n: {"valency": [1, 1], "zipf": 1.1} for n in _COLUMNS},
+        },
         "training": {
             "steps": STEPS,
             "epochs": 2,

@@ -91,11 +91,19 @@ def _config(tmp: Path, name: str, *, limits: tuple[int, int], minibatching: bool
             },
         ],
         "features": [
-            {"name": "clicked_items", "table": "items", "valency": [1, CROWDED_VALENCY]},
-            {"name": "user_id", "table": "users", "valency": [1, 1]},
+            {"name": "clicked_items", "table": "items"},
+            {"name": "user_id", "table": "users"},
         ],
         "dense_features": 4,
-        "dataset": {"dir": str(tmp / "data"), "examples": STEPS * BATCH, "eval_examples": BATCH},
+        "dataset": {"dir": str(tmp / "data")},
+        "synthetic": {
+            "examples": STEPS * BATCH,
+            "eval_examples": BATCH,
+            "features": {
+                "clicked_items": {"valency": [1, CROWDED_VALENCY]},
+                "user_id": {"valency": [1, 1]},
+            },
+        },
         "training": {"pipelined": False, "shuffle": False, "checkpoint_every": 1000},
     }
     path = tmp / f"{name}.yaml"
@@ -125,10 +133,10 @@ def _write_data(config, tmp: Path) -> Path:
       The ArrayRecord file written.
     """
     filler = dataclasses.replace(
-        config.synthetic,
+        config.synthetic.dataset,
         features=tuple(
             dataclasses.replace(f, max_valency=min(f.max_valency, FILLER_VALENCY))
-            for f in config.synthetic.features
+            for f in config.synthetic.dataset.features
         ),
     )
     files = pipelines.write_synthetic_dataset(
@@ -139,7 +147,7 @@ def _write_data(config, tmp: Path) -> Path:
         num_shards=1,
         formats=("arrayrecord",),
     )
-    layout = config.synthetic.feature_layout()
+    layout = config.layout
     batch = pipelines.parse_examples(list(pipelines.read_records(files["arrayrecord"])), layout)
     start = CROWDED_BATCH * BATCH
     crowded = {r: _crowded_row(r) for r in range(start, start + HOST_ROWS)}
@@ -258,7 +266,7 @@ def runs(setup):
 def test_only_host_0_breaks_the_small_limits(setup):
     _, path_a, path_b, data = setup
     config_a, config_b = load_config(path_a), load_config(path_b)
-    layout = config_a.synthetic.feature_layout()
+    layout = config_a.layout
     host_0, host_1 = (_host_features(data, layout, host) for host in (0, 1))
     assert _own_minibatches(config_a, host_0) > 1
     assert _own_minibatches(config_a, host_1) == 1

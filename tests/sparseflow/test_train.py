@@ -107,7 +107,7 @@ def test_model_learns_on_held_out_data(small_run):
     tmp, _, config, data = small_run
     held_out = tmp / "eval"
     pipelines.write_synthetic_dataset(
-        config.synthetic,
+        config.synthetic.dataset,
         held_out,
         num_examples=2048,
         seed=config.seed,

@@ -28,12 +28,22 @@ def tiny_config(tmp_path: Path) -> Path:
         ],
         "stacks": [["a", "b"]],
         "features": [
-            {"name": "fa1", "table": "a", "valency": [1, 3]},
-            {"name": "fa2", "table": "a", "valency": [1, 2]},
-            {"name": "fb", "table": "b", "valency": [1, 1], "weighted": True},
+            {"name": "fa1", "table": "a"},
+            {"name": "fa2", "table": "a"},
+            {"name": "fb", "table": "b", "weighted": True},
         ],
         "dense_features": 2,
-        "dataset": {"dir": "data", "examples": 150, "eval_examples": 10, "shards": 2},
+        "dataset": {"dir": "data"},
+        "synthetic": {
+            "examples": 150,
+            "eval_examples": 10,
+            "shards": 2,
+            "features": {
+                "fa1": {"valency": [1, 3]},
+                "fa2": {"valency": [1, 2]},
+                "fb": {"valency": [1, 1]},
+            },
+        },
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -20,7 +20,8 @@ EXAMPLES = 5120
 def small_demo_config(tmp: Path, training: dict, name: str = "config.yaml", **top) -> Path:
     """The demo config with its dataset in `tmp`, the given training section and top-level keys."""
     raw = yaml.safe_load(shipped_config("demo").read_text())
-    raw["dataset"] = {"dir": str(tmp / "data"), "examples": EXAMPLES, "eval_examples": 1024}
+    raw["dataset"] = {"dir": str(tmp / "data")}
+    raw["synthetic"].update(examples=EXAMPLES, eval_examples=1024)
     raw["training"] = training
     # Without FDO buffer sizes, minibatching reserves room for 64 minibatches
     # at the configured limits; these runs need no minibatching.
@@ -34,7 +35,7 @@ def small_demo_config(tmp: Path, training: dict, name: str = "config.yaml", **to
 def write_data(config, out: Path, *, examples: int = EXAMPLES, seed: int | None = None) -> str:
     """The config's synthetic ArrayRecord data in `out`; returns its directory."""
     pipelines.write_synthetic_dataset(
-        config.synthetic,
+        config.synthetic.dataset,
         out,
         num_examples=examples,
         seed=config.seed if seed is None else seed,
