@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import FeatureLayout
-from pipelines._parse import DENSE_KEY, LABEL_KEY, _tf_spec, weights_key
+from pipelines._parse import DENSE_KEY, LABEL_KEY, weights_key
 
 SHUFFLE_BATCHES = 16
 PREFETCH = 2
@@ -89,6 +89,17 @@ def _rows(values: np.ndarray, row_splits: np.ndarray) -> np.ndarray:
     return rows
 
 
+def _parse_spec(layout: FeatureLayout) -> dict:
+    """The `tf.io.parse_example` spec a user writes for the demo's records."""
+    spec = {DENSE_KEY: tf.io.FixedLenFeature([layout.num_dense_features], tf.float32)}
+    spec[LABEL_KEY] = tf.io.FixedLenFeature([], tf.int64)
+    for name in layout.sparse:
+        spec[name] = tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64)
+        if name in layout.weighted:
+            spec[weights_key(name)] = tf.io.RaggedFeature(tf.float32, row_splits_dtype=tf.int64)
+    return spec
+
+
 def tfdata_jte_batches(
     files: list[str],
     layout: FeatureLayout,
@@ -134,7 +145,7 @@ def tfdata_jte_batches(
         leaves, structure = jax.tree.flatten(out)
         return leaves + [dense, labels], structure
 
-    spec = _tf_spec(layout)
+    spec = _parse_spec(layout)
 
     def parse(records):
         parsed = tf.io.parse_example(records, spec)

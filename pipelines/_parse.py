@@ -306,13 +306,14 @@ def _wire_schema(layout: FeatureLayout) -> WireSchema:
     return WireSchema(*(list(column) for column in zip(*_columns(layout.schema), strict=True)))
 
 
-_TF_DTYPES = {BYTES_LIST: tf.string, INT64_LIST: tf.int64, FLOAT_LIST: tf.float32}
+# Names, not `tf` dtypes: TensorFlow is imported only when the fallback runs.
+_TF_DTYPES = {BYTES_LIST: "string", INT64_LIST: "int64", FLOAT_LIST: "float32"}
 
 
 @functools.lru_cache(maxsize=64)
 def _tf_spec(layout: FeatureLayout) -> dict[str, tf.io.RaggedFeature]:
     return {
-        key: tf.io.RaggedFeature(_TF_DTYPES[kind], row_splits_dtype=tf.int64)
+        key: tf.io.RaggedFeature(tf.as_dtype(_TF_DTYPES[kind]), row_splits_dtype=tf.int64)
         for key, kind, _, _ in _columns(layout.schema)
     }
 

@@ -100,7 +100,9 @@ class Checkpoints:
       directory: where the checkpoints live (created if missing).
       run: the identity of the run (`_run_identity.run_identity`): saved with
         every checkpoint, and what a restored one must have been written by;
-        None to read a checkpoint of any run (to inspect it, not to resume).
+        None to read a checkpoint of any run (to inspect it, not to resume;
+        one written by another number of processes then restores an empty
+        input position).
       keep: how many recent checkpoints to keep.
     """
 
@@ -227,12 +229,16 @@ class Checkpoints:
             restored = self._arrays_handler.restore(
                 step_directory / "arrays", args=ocp.args.StandardRestore(_abstract(like))
             )
-            self._input_handler.restore(
-                step_directory / _INPUT, args=grain.checkpoint.CheckpointRestore(position)
+            inspected_elsewhere = self._run is None and jax.process_count() not in _input_processes(
+                step_directory
             )
+            if not inspected_elsewhere:
+                self._input_handler.restore(
+                    step_directory / _INPUT, args=grain.checkpoint.CheckpointRestore(position)
+                )
         except Exception as e:  # noqa: BLE001 - the layout matches: a failure means damaged files
             return None, str(e)
-        state = position.get_state()
+        state = b"" if inspected_elsewhere else position.get_state()
         # Orbax restores scalars onto one device; place every array as in `like`.
         arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored, like)
         return Snapshot(step, arrays, state, metadata), None
@@ -312,7 +318,8 @@ def _mismatch(metadata: dict, like: Any, run: dict | None, step_directory: Path)
     )
     if found:
         return f"holds other arrays than this run: {_run_identity.describe(found)}"
-    counts = _input_processes(step_directory)
+    # An inspection reads the arrays only; the input positions are for a resume.
+    counts = _input_processes(step_directory) if run is not None else set()
     if counts and jax.process_count() not in counts:
         return (
             f"holds the input positions of {sorted(counts)} processes, not of {jax.process_count()}"

@@ -17,14 +17,14 @@ jte = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.embedding")
 
 DEVICES, SLOTS = 8, 2
 CONFIG = load_config(shipped_config("demo"))
-LAYOUT = CONFIG.synthetic.feature_layout()
+LAYOUT = CONFIG.synthetic.dataset.feature_layout()
 BATCH = CONFIG.global_batch_size
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, list[str]]:
     return pipelines.write_synthetic_dataset(
-        CONFIG.synthetic,
+        CONFIG.synthetic.dataset,
         tmp_path_factory.mktemp("demo"),
         num_examples=2 * BATCH,
         seed=0,

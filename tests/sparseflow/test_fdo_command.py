@@ -68,7 +68,7 @@ def test_fdo_reads_the_data_from_an_fsspec_url(tmp_path, protocol):
     config_path = tiny_config(tmp_path)
     config = load_config(config_path)
     files = pipelines.write_synthetic_dataset(
-        config.synthetic, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
     )["arrayrecord"]
     if protocol == "file":
         url = Path(files[0]).parent.as_uri()
