@@ -282,6 +282,24 @@ ffi::Error PoolTranspose(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index
 
 enum class Rule { kSgd, kAdagrad, kRowWiseAdagrad };
 
+// The sum of g[d]^2 in 8 lanes, added pairwise at the end. A single running
+// sum is a chain of dim dependent additions that the compiler may not
+// reorder: for dim 16 it made a row-wise Adagrad update of 160k rows 5 ms
+// slower than SGD's. The order is fixed, so results stay bitwise the same.
+float SumOfSquares(const float* g, int64_t dim) {
+  constexpr int64_t kLanes = 8;
+  float lanes[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += g[d + j] * g[d + j];
+  }
+  for (; d < dim; ++d) lanes[d % kLanes] += g[d] * g[d];
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  }
+  return lanes[0];
+}
+
 // Merges the gradients the owner received (runs of U rows, one per source
 // slot and device, each ascending and padded with out-of-range rows) for the
 // rows in [row_begin, row_end) and applies the optimizer once per distinct
@@ -326,8 +344,7 @@ void MergeAndApply(const int32_t* received, const float* grads, int64_t runs, in
         const int64_t local = row % rows_per_partition;
         while (t + 1 < tables && local >= table_starts[t + 1]) ++t;
       }
-      float squares = 0.0f;
-      for (int64_t d = 0; d < dim; ++d) squares += g[d] * g[d];
+      const float squares = SumOfSquares(g, dim);
       slot[row] += squares / static_cast<float>(table_dims[t]);
       const float scale = learning_rate / (std::sqrt(slot[row]) + epsilon);
       for (int64_t d = 0; d < dim; ++d) w[d] -= scale * g[d];

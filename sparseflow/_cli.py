@@ -16,8 +16,8 @@
   sparseflow --version
 
 `--config` takes a YAML file or the name of a shipped config (`demo`,
-`benchmark`); a shipped config's relative paths (its dataset under
-`runs/<name>/data`) start from the working directory.
+`benchmark`, `criteo`); a shipped config's relative paths (its dataset under
+`runs/<name>`) start from the working directory.
 
 A user error (a `SparseflowError`: a bad config, a missing or bad data file,
 a corrupt FDO stats file, options that do not go together) prints one
@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         required=True,
-        help="the run's YAML config, or a shipped config's name (demo, benchmark)",
+        help="the run's YAML config, or a shipped config's name (demo, benchmark, criteo)",
     )
     make.add_argument(
         "--out", type=Path, help="output directory (default: the config's dataset.dir)"

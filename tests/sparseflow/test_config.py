@@ -501,7 +501,7 @@ def test_relative_paths_start_from_the_config_file_by_default():
 
 def test_unknown_shipped_config_names_the_shipped_ones():
     with pytest.raises(
-        ValueError, match="no shipped config named 'dem'; shipped configs: benchmark, demo"
+        ValueError, match="no shipped config named 'dem'; shipped configs: benchmark, criteo, demo"
     ):
         shipped_config("dem")
 
