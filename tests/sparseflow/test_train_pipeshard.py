@@ -18,14 +18,14 @@ from train_cases import cli, small_demo_config, write_data
 from parallel import pipeshard
 from sparseflow import ConfigError, _train, load_config
 
-STEPS = 10
+STEPS = 50
 DCN_V2 = {"type": "dcn_v2", "cross_layers": 2, "mlp": [32, 16]}
 
 
 def _config(tmp, name, model, training=None):
     path = small_demo_config(
         tmp,
-        {"checkpoint_every": 4, "log_every": 5, "pipelined": True, **(training or {})},
+        {"checkpoint_every": 4, "log_every": 5, "pipelined": True, "epochs": 5, **(training or {})},
         name=name,
         model=model,
     )
