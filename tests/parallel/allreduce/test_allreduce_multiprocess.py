@@ -55,14 +55,22 @@ def test_a_killed_host_fails_the_others_within_the_deadline():
         group.go(range(world))
         assert [line["stopped_at"] for line in group.thread_lines(3)] == [stop] * threads
         group.kill(3)
-        lines = [line for rank in range(3) for line in group.thread_lines(rank)]
-    for line in lines:
-        assert line["error"] == "AllReduceTimeoutError", line
-        # Host 3 finished key stop-1 itself, but its value for that key may
-        # still have been on the way to a peer when it was killed.
-        assert line["key"] in (stop - 1, stop) and line["missing_ranks"] == [3]
-        assert f"sync key {line['key']} timed out" in line["message"]
-        assert f"peer rank(s) 3 ({group.peers[3]})" in line["message"]
+        by_rank = {rank: group.thread_lines(rank) for rank in range(3)}
+    # Host 3 finished key stop-1 itself, but its value for that key may still
+    # have been on the way to a peer when it was killed: that peer then stops
+    # at stop-1, and a peer that got it waits at `stop` for host 3 and for
+    # the peers stuck at stop-1.
+    for thread in range(threads):
+        lines = {rank: by_rank[rank][thread] for rank in by_rank}
+        stuck_early = {rank for rank, line in lines.items() if line["key"] == stop - 1}
+        for rank, line in lines.items():
+            assert line["error"] == "AllReduceTimeoutError", line
+            assert line["key"] in (stop - 1, stop), line
+            expected = [3] if line["key"] == stop - 1 else sorted(stuck_early | {3})
+            assert line["missing_ranks"] == expected, (rank, thread, line, stuck_early)
+            assert f"sync key {line['key']} timed out" in line["message"]
+            assert group.peers[3] in line["message"]
+    for line in (line for lines in by_rank.values() for line in lines):
         # Bounded: the deadline, plus slack for a loaded machine, never a hang.
         assert KILL_DEADLINE_S <= line["elapsed_s"] < KILL_DEADLINE_S + 30
 
