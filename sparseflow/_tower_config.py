@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from embedding._checks import check_positive_int
 from parallel.pipeshard import PipelineSchedule
 
 LAYER_CHOICES = ("manual", "auto")
@@ -32,10 +33,10 @@ class DcnV2Tower:
     mlp: tuple[int, ...] = (64, 32)
 
     def __post_init__(self) -> None:
-        _check_positive(self.cross_layers, "model.tower.cross_layers")
+        check_positive_int(self.cross_layers, "model.tower.cross_layers")
         object.__setattr__(self, "mlp", tuple(self.mlp))
         for width in self.mlp:
-            _check_positive(width, "model.tower.mlp entries")
+            check_positive_int(width, "model.tower.mlp entries")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,20 +59,15 @@ class PipeshardConfig:
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        _check_positive(self.stages, "model.pipeshard.stages")
-        _check_positive(self.microbatches, "model.pipeshard.microbatches")
-        _check_positive(self.virtual_stages, "model.pipeshard.virtual_stages")
+        check_positive_int(self.stages, "model.pipeshard.stages")
+        check_positive_int(self.microbatches, "model.pipeshard.microbatches")
+        check_positive_int(self.virtual_stages, "model.pipeshard.virtual_stages")
         object.__setattr__(self, "schedule", PipelineSchedule(self.schedule))
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"model.pipeshard.layers must be manual or auto, got {self.layers!r}")
         interleaved = self.schedule is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B
         if self.virtual_stages > 1 and not interleaved:
             raise ValueError("model.pipeshard.virtual_stages > 1 needs schedule: interleaved_1f1b")
-
-
-def _check_positive(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
 
 
 def _fields(node, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
