@@ -164,3 +164,45 @@ def test_update_merges_runs_in_run_order(runs, monkeypatch):
         np.asarray(updated)[touched], expected[touched], rtol=1e-5, atol=1e-6
     )
     np.testing.assert_array_equal(np.asarray(updated)[~touched], table[~touched])
+
+
+@pytest.mark.parametrize("dim", [8, 12])
+@pytest.mark.parametrize("entries", [40, 40_000])
+def test_pool_and_its_transpose_against_float64(entries, dim, monkeypatch):
+    """Pooling by sample and its transpose by row, on entries with holes
+    (-1 rows, also between two entries of one row; padded samples), rows no
+    entry names (their gradient is exactly zero), at 40k entries per slot work
+    cut into chunks, and rows of a width known at compile time (8) or not (12)."""
+    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
+    assert _cpu_kernels.enabled("cpu")
+    slots, num_samples = 2, 300
+    num_rows = entries // 2
+    rng = np.random.default_rng(entries)
+    # Rows ascend along the layout (slot after slot), as the route gives them.
+    index = np.sort(rng.integers(0, num_rows, (slots, entries)).reshape(-1)).reshape(slots, -1)
+    index[rng.random(index.shape) < 0.1] = -1
+    samples = rng.integers(0, num_samples, slots * entries).astype(np.int32)
+    samples[rng.random(samples.shape) < 0.05] = num_samples  # padding
+    gains = rng.random(slots * entries).astype(np.float32)
+    rows = rng.standard_normal((num_rows, dim)).astype(np.float32)
+    sample_grads = rng.standard_normal((slots, num_samples, dim)).astype(np.float32)
+
+    pooled, row_grads = jax.jit(
+        lambda r, g: (
+            _cpu_kernels.pool(index, samples, gains, r, num_samples),
+            _cpu_kernels.pool_transpose(index, samples, gains, g, num_rows),
+        )
+    )(rows, sample_grads)
+
+    valid = (index.reshape(-1) >= 0) & (samples < num_samples)
+    slot = np.repeat(np.arange(slots), entries)[valid]
+    u, p, w = index.reshape(-1)[valid], samples[valid], gains[valid].astype(np.float64)
+    expected_pooled = np.zeros((slots, num_samples, dim))
+    np.add.at(expected_pooled, (slot, p), w[:, None] * rows[u])
+    expected_grads = np.zeros((num_rows, dim))
+    np.add.at(expected_grads, u, w[:, None] * sample_grads[slot, p])
+    np.testing.assert_allclose(np.asarray(pooled), expected_pooled, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(row_grads), expected_grads, rtol=1e-5, atol=1e-5)
+    unnamed = ~np.isin(np.arange(num_rows), u)
+    assert unnamed.any()
+    assert (np.asarray(row_grads)[unnamed] == 0).all()
