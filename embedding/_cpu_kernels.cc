@@ -216,26 +216,30 @@ ffi::Error Route(ffi::Buffer<ffi::S32> row_pointers, ffi::Buffer<ffi::S32> ids,
 // out[m] = table[rows[m]], zero where rows[m] is out of range.
 ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table,
                       ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t dim = table.dimensions()[1];
   const int64_t num_rows = table.dimensions()[0];
   const int64_t n = rows.element_count();
   const float* t = table.typed_data();
   const int32_t* r = rows.typed_data();
   float* o = out->typed_data();
   const int64_t chunks = ChunksFor(n);
-  ParallelFor(pool, chunks, [&](int64_t c) {
-    auto [begin, end] = ChunkOf(c, n, chunks);
-    for (int64_t m = begin; m < end; ++m) {
-      if (m + kPrefetchAhead < end) {
-        const int64_t ahead = r[m + kPrefetchAhead];
-        if (ahead >= 0 && ahead < num_rows) PrefetchRow<0>(t + ahead * dim, dim);
+  // With the width a constant, a row's copy is a few vector moves, not a
+  // call of memcpy (7% of a step's time was in those calls).
+  WithRowWidth(table.dimensions()[1], [&](auto width) {
+    const int64_t dim = width.value ? width.value : table.dimensions()[1];
+    ParallelFor(pool, chunks, [&](int64_t c) {
+      auto [begin, end] = ChunkOf(c, n, chunks);
+      for (int64_t m = begin; m < end; ++m) {
+        if (m + kPrefetchAhead < end) {
+          const int64_t ahead = r[m + kPrefetchAhead];
+          if (ahead >= 0 && ahead < num_rows) PrefetchRow<0>(t + ahead * dim, dim);
+        }
+        if (r[m] >= 0 && r[m] < num_rows) {
+          std::copy(t + r[m] * dim, t + r[m] * dim + dim, o + m * dim);
+        } else {
+          std::fill(o + m * dim, o + m * dim + dim, 0.0f);
+        }
       }
-      if (r[m] >= 0 && r[m] < num_rows) {
-        std::memcpy(o + m * dim, t + r[m] * dim, dim * sizeof(float));
-      } else {
-        std::memset(o + m * dim, 0, dim * sizeof(float));
-      }
-    }
+    });
   });
   return ffi::Error::Success();
 }
