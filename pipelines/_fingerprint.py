@@ -23,11 +23,22 @@ _K2 = np.uint64(0x9AE16A3B2F90404F)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _byte(data, p):
+    """`data[p]` as a uint64.
+
+    An unsigned index spares numba's wraparound of negative indices, a
+    branch per byte that also keeps LLVM from merging `_fetch`'s byte loads
+    into one load: hashing a short string then costs several times more.
+    """
+    return np.uint64(data[np.uint64(p)])
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _fetch(data, p, size):
     """The little-endian unsigned integer of `data[p : p + size]` (size 4 or 8)."""
     value = np.uint64(0)
     for i in range(size):
-        value |= np.uint64(data[p + i]) << np.uint64(8 * i)
+        value |= _byte(data, p + i) << np.uint64(8 * i)
     return value
 
 
@@ -60,7 +71,7 @@ def _hash_len16(u, v, mul):
     return b * mul
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _hash_len0to16(data, s, length):
     n = np.uint64(length)
     if length >= 8:
@@ -75,9 +86,9 @@ def _hash_len0to16(data, s, length):
         a = _fetch32(data, s)
         return _hash_len16(n + (a << np.uint64(3)), _fetch32(data, s + length - 4), mul)
     if length > 0:
-        a = np.uint64(data[s])
-        b = np.uint64(data[s + (length >> 1)])
-        c = np.uint64(data[s + length - 1])
+        a = _byte(data, s)
+        b = _byte(data, s + (length >> 1))
+        c = _byte(data, s + length - 1)
         y = (a + (b << np.uint64(8))) & np.uint64(0xFFFFFFFF)
         z = (n + (c << np.uint64(2))) & np.uint64(0xFFFFFFFF)
         return _shift_mix(y * _K2 ^ z * _K0) * _K2
@@ -125,15 +136,24 @@ def _weak_hash_len32_with_seeds(data, s, a, b):
     return a + z, b + c
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def fingerprint64(data, start, length):
-    """FarmHash Fingerprint64 of `data[start : start + length]` (`data`: uint8[n]), a uint64."""
+    """FarmHash Fingerprint64 of `data[start : start + length]` (`data`: uint8[n]), a uint64.
+
+    Inlined where it is called, so that short ids (the common case) are
+    hashed without a call.
+    """
     if length <= 16:
         return _hash_len0to16(data, start, length)
     if length <= 32:
         return _hash_len17to32(data, start, length)
     if length <= 64:
         return _hash_len33to64(data, start, length)
+    return _hash_len65plus(data, start, length)
+
+
+@numba.njit(cache=True, nogil=True)
+def _hash_len65plus(data, start, length):
     seed = np.uint64(81)
     x = seed
     y = seed * _K1 + np.uint64(113)
