@@ -102,7 +102,7 @@ def read_varint(data, position, end):
     value = np.uint64(0)
     shift = np.uint64(0)
     while position < end and shift < 70:
-        byte = data[position]
+        byte = data[np.uint64(position)]  # unsigned: no wraparound branch (_fingerprint._byte)
         position += 1
         value |= np.uint64(byte & 0x7F) << shift
         if byte < 0x80:
@@ -136,28 +136,39 @@ def _payload(data, position, end):
     return position, position + np.int64(length)
 
 
-@numba.njit(cache=True, nogil=True)
-def _key_index(data, start, stop, key_bytes, key_offsets, hint):
-    """The schema index of the key `data[start:stop]`, or -1; tries `hint[0]` first.
+@numba.njit(cache=True, nogil=True, inline="always")
+def _is_key(data, start, stop, key_bytes, key_offsets, k):
+    """Whether `data[start:stop]` is the schema's key `k`."""
+    size = key_offsets[k + 1] - key_offsets[k]
+    if size != stop - start:
+        return False
+    for j in range(size):
+        if data[start + j] != key_bytes[key_offsets[k] + j]:
+            return False
+    return True
 
-    Records of one writer list their keys in one order: starting where the
-    previous key matched finds the next one at once instead of after
-    comparing it with every key before it. `hint[0]` becomes the index after
-    the match.
+
+@numba.njit(cache=True, nogil=True)
+def _key_index(data, start, stop, key_bytes, key_offsets, order):
+    """The schema index of the key `data[start:stop]`, or -1.
+
+    Records of one writer list their keys in one order (a map's, not the
+    schema's): `order[k]` is the key that followed key `k` last time
+    (`order[num_keys]`: the first key of a record), and `order[num_keys + 1]`
+    the key matched last. Trying the key that followed it last time finds
+    the key at once, instead of after comparing it with half the keys.
     """
     num_keys = key_offsets.size - 1
-    for i in range(num_keys):
-        k = (hint[0] + i) % num_keys
-        size = key_offsets[k + 1] - key_offsets[k]
-        if size == stop - start:
-            same = True
-            for j in range(size):
-                if data[start + j] != key_bytes[key_offsets[k] + j]:
-                    same = False
-                    break
-            if same:
-                hint[0] = (k + 1) % num_keys
-                return k
+    previous = order[num_keys + 1]
+    guess = order[previous]
+    if guess < num_keys and _is_key(data, start, stop, key_bytes, key_offsets, guess):
+        order[num_keys + 1] = guess
+        return guess
+    for k in range(num_keys):
+        if _is_key(data, start, stop, key_bytes, key_offsets, k):
+            order[previous] = k
+            order[num_keys + 1] = k
+            return k
     return -1
 
 
@@ -211,7 +222,7 @@ def _count_values(data, start, stop, kind):
 
 
 @numba.njit(cache=True, nogil=True)
-def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, hint):
+def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, order):
     """Reads one map entry of Features; False when unsure."""
     key_start, key_stop, value_start, value_stop = -1, -1, -1, -1
     position = start
@@ -236,7 +247,7 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
         position = payload_end
     if key_start < 0 or value_start < 0:
         return False
-    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets, hint)
+    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets, order)
     if k < 0:
         return True  # a feature the layout does not read
     if spans[record, k, 1] > 0:
@@ -264,9 +275,11 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
 @numba.njit(cache=True, nogil=True)
 def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
     """Finds each record's lists of the schema's keys, counts their values; False when unsure."""
-    hint = np.zeros(1, np.int64)
+    num_keys = key_offsets.size - 1
+    order = np.full(num_keys + 2, num_keys, np.int64)  # see _key_index
     for record in range(offsets.size - 1):
         position, end = offsets[record], offsets[record + 1]
+        order[num_keys + 1] = num_keys
         seen_features = False
         while position < end:
             tag, position = read_varint(data, position, end)
@@ -293,7 +306,7 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
                     spans,
                     counts,
                     record,
-                    hint,
+                    order,
                 ):
                     return False
                 position = entry_end
