@@ -36,6 +36,10 @@ FLOAT_LIST = 2
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 _UNSURE = -1
 
+# `_locate`'s helpers are inlined by numba (`inline="always"`): a call passes
+# each array as several arguments and cost more, per map entry, than reading
+# the entry. `read_varint` is left to LLVM, whose inlining of it is faster.
+
 
 class WireSchema:
     """The keys to read and their value types, as the compiled reader takes them.
@@ -87,12 +91,16 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
         return None
     splits = np.zeros((num_keys, len(records) + 1), np.int64)
     np.cumsum(counts.T, axis=1, out=splits[:, 1:])
+    starts = np.zeros(num_keys + 1, np.int64)
+    np.cumsum(splits[:, -1], out=starts[1:])
+    values = np.empty(starts[-1], np.int64)
+    _decode(data, spans, schema.kinds, schema.buckets, starts, values)
     out = {}
     for k, key in enumerate(schema.keys):
-        floats = schema.kinds[k] == FLOAT_LIST
-        values = np.empty(splits[k, -1], np.int64)
-        _decode(data, spans[:, k], schema.kinds[k], schema.buckets[k], values)
-        out[key] = (values.astype(np.uint32).view(np.float32) if floats else values, splits[k])
+        key_values = values[starts[k] : starts[k + 1]]
+        if schema.kinds[k] == FLOAT_LIST:
+            key_values = key_values.astype(np.uint32).view(np.float32)
+        out[key] = (key_values, splits[k])
     return out
 
 
@@ -111,7 +119,7 @@ def read_varint(data, position, end):
     return np.uint64(0), -1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _field_end(data, position, end, wire_type):
     """The position after a field's payload starting at `position`, or -1 when malformed."""
     if wire_type == _VARINT:
@@ -126,7 +134,7 @@ def _field_end(data, position, end, wire_type):
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _payload(data, position, end):
     """`(start, stop)` of the length-delimited payload whose length is at `position`,
     or `(-1, -1)` when malformed or running past `end`."""
@@ -148,7 +156,7 @@ def _is_key(data, start, stop, key_bytes, key_offsets, k):
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _key_index(data, start, stop, key_bytes, key_offsets, order):
     """The schema index of the key `data[start:stop]`, or -1.
 
@@ -172,7 +180,7 @@ def _key_index(data, start, stop, key_bytes, key_offsets, order):
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _count_values(data, start, stop, kind):
     """Values of an Int64List / FloatList payload, or -1 when it holds anything unexpected."""
     count = 0
@@ -221,7 +229,7 @@ def _count_values(data, start, stop, kind):
     return count
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, order):
     """Reads one map entry of Features; False when unsure."""
     key_start, key_stop, value_start, value_stop = -1, -1, -1, -1
@@ -314,39 +322,43 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
 
 
 @numba.njit(cache=True, nogil=True)
-def _decode(data, spans, kind, buckets, out):
-    """Decodes each record's list payload `spans[record]` into `out`, in record order.
+def _decode(data, spans, kinds, buckets, starts, out):
+    """Decodes each key's list payloads `spans[record, k]` into `out[starts[k]:]`,
+    in record order: one call for all keys, as a call per key costs more than
+    decoding a scalar key.
 
     Int64List values as they are; FloatList values as their float32 bits;
-    BytesList values as `Fingerprint64(value) % buckets`.
+    BytesList values as `Fingerprint64(value) % buckets[k]`.
     """
-    floats = kind == FLOAT_LIST
-    j = 0
-    for record in range(spans.shape[0]):
-        position, stop = spans[record, 0], spans[record, 1]
-        while kind == BYTES_LIST and position < stop:
-            position = read_varint(data, position, stop)[1]
-            start, position = _payload(data, position, stop)
-            out[j] = np.int64(fingerprint64(data, start, position - start) % buckets)
-            j += 1
-        while position < stop:
-            tag, position = read_varint(data, position, stop)
-            single = np.int64(tag & np.uint64(7)) != _LEN
-            end = position
-            if not single:
-                length, position = read_varint(data, position, stop)
-                end = position + np.int64(length)
-            while single or position < end:
-                single = False
-                if floats:
-                    out[j] = (
-                        np.int64(data[position])
-                        | np.int64(data[position + 1]) << 8
-                        | np.int64(data[position + 2]) << 16
-                        | np.int64(data[position + 3]) << 24
-                    )
-                    position += 4
-                else:
-                    value, position = read_varint(data, position, stop)
-                    out[j] = np.int64(value)
+    for k in range(kinds.size):
+        kind = kinds[k]
+        floats = kind == FLOAT_LIST
+        j = starts[k]
+        for record in range(spans.shape[0]):
+            position, stop = spans[record, k, 0], spans[record, k, 1]
+            while kind == BYTES_LIST and position < stop:
+                position = read_varint(data, position, stop)[1]
+                start, position = _payload(data, position, stop)
+                out[j] = np.int64(fingerprint64(data, start, position - start) % buckets[k])
                 j += 1
+            while position < stop:
+                tag, position = read_varint(data, position, stop)
+                single = np.int64(tag & np.uint64(7)) != _LEN
+                end = position
+                if not single:
+                    length, position = read_varint(data, position, stop)
+                    end = position + np.int64(length)
+                while single or position < end:
+                    single = False
+                    if floats:
+                        out[j] = (
+                            np.int64(data[position])
+                            | np.int64(data[position + 1]) << 8
+                            | np.int64(data[position + 2]) << 16
+                            | np.int64(data[position + 3]) << 24
+                        )
+                        position += 4
+                    else:
+                        value, position = read_varint(data, position, stop)
+                        out[j] = np.int64(value)
+                    j += 1
