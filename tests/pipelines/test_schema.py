@@ -208,6 +208,79 @@ def test_standardize_needs_moments_and_applies_them():
     np.testing.assert_array_equal(pipelines.parse_examples(records, raw).dense[:, 0], [1.0, 4.0])
 
 
+MIXED_DENSE = (
+    pipelines.DenseColumn(key="a", type="int", default=1, transform="log1p"),
+    pipelines.DenseColumn(key="b", transform="standardize", mean=(1.0,), std=(2.0,)),
+    pipelines.DenseColumn(
+        key="c", length=2, default=-1.5, transform="standardize", mean=(0.0, -1.0), std=(4, 0.5)
+    ),
+    pipelines.DenseColumn(key="d", type="int", default=3),
+    pipelines.DenseColumn(key="e", length=2),
+    pipelines.DenseColumn(key="f", transform="log1p"),
+)
+
+
+def _mixed_dense_rows(rng, size, *, missing):
+    """`size` rows `{key: values or None}` of MIXED_DENSE; keys with a default are
+    left out of some rows when `missing`."""
+    rows = []
+    for _ in range(size):
+        row = {
+            "a": [int(rng.integers(-3, 10**5))],
+            "b": [float(np.float32(rng.normal()))],
+            "c": [float(v) for v in rng.normal(size=2).astype(np.float32)],
+            "d": [int(rng.integers(-(2**40), 2**40))],
+            "e": [float(v) for v in rng.normal(size=2).astype(np.float32)],
+            "f": [float(np.float32(rng.normal()))],
+        }
+        for key in ("a", "c", "d"):
+            if missing and rng.random() < 0.4:
+                row[key] = None
+        rows.append(row)
+    return rows
+
+
+def _mixed_dense_expected(rows):
+    """float64 reference of MIXED_DENSE's dense input."""
+    out = []
+    for row in rows:
+        a = (row["a"] or [1])[0]
+        c = np.array(row["c"] or [-1.5, -1.5], np.float64)
+        out.append(
+            [
+                np.log1p(max(a, 0)),
+                (row["b"][0] - 1.0) / 2.0,
+                *((c - [0.0, -1.0]) / [4.0, 0.5]),
+                float(np.float32((row["d"] or [3])[0])),
+                *row["e"],
+                np.log1p(max(row["f"][0], 0.0)),
+            ]
+        )
+    return np.array(out)
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_dense_keys_of_every_kind_equal_numpy(monkeypatch, missing):
+    schema = pipelines.RecordSchema(
+        sparse=(pipelines.SparseColumn(name="item", key="iid"),), dense=MIXED_DENSE
+    )
+    layout = pipelines.FeatureLayout.from_schema(schema)
+    rows = _mixed_dense_rows(np.random.default_rng(3), 50, missing=missing)
+    records = []
+    for row in rows:
+        features = {"iid": _int64s(1), "label": _int64s(0)}
+        for key, values in row.items():
+            if values is not None:
+                features[key] = _int64s(*values) if key in ("a", "d") else _floats(*values)
+        records.append(_example(features))
+    fast = pipelines.parse_examples(records, layout)
+    assert fast.dense.shape == (50, 8) and fast.dense.dtype == np.float32
+    np.testing.assert_allclose(fast.dense, _mixed_dense_expected(rows), rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(_parse, "read_examples", lambda records, schema: None)
+    slow = pipelines.parse_examples(records, layout)
+    np.testing.assert_array_equal(fast.dense.view(np.uint32), slow.dense.view(np.uint32))
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
