@@ -36,9 +36,12 @@ FLOAT_LIST = 2
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 _UNSURE = -1
 
-# `_locate`'s helpers are inlined by numba (`inline="always"`): a call passes
-# each array as several arguments and cost more, per map entry, than reading
-# the entry. `read_varint` is left to LLVM, whose inlining of it is faster.
+# The compiled functions run without numba's reference counting (`_nrt=False`;
+# they allocate nothing): otherwise each use of an array in a loop may take
+# an atomic increment and decrement of its count, which cost more than the
+# parsing. `_locate`'s helpers are inlined by numba (`inline="always"`): a call
+# passes each array as several arguments and costs more, per map entry, than
+# reading the entry.
 
 
 class WireSchema:
@@ -82,8 +85,9 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     num_keys = schema.kinds.size
     spans = np.zeros((len(records), num_keys, 2), np.int64)
     counts = np.zeros((len(records), num_keys), np.int64)
+    order = np.full(num_keys + 2, num_keys, np.int64)  # see _key_index
     if not _locate(
-        data, offsets, schema.key_bytes, schema.key_offsets, schema.kinds, spans, counts
+        data, offsets, schema.key_bytes, schema.key_offsets, schema.kinds, spans, counts, order
     ):
         return None
     exact = schema.exact_counts >= 0
@@ -104,7 +108,7 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)
 def read_varint(data, position, end):
     """`(value, next position)`, or `(0, -1)` when the varint runs past `end` or 10 bytes."""
     value = np.uint64(0)
@@ -119,7 +123,7 @@ def read_varint(data, position, end):
     return np.uint64(0), -1
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _field_end(data, position, end, wire_type):
     """The position after a field's payload starting at `position`, or -1 when malformed."""
     if wire_type == _VARINT:
@@ -134,7 +138,7 @@ def _field_end(data, position, end, wire_type):
     return -1
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _payload(data, position, end):
     """`(start, stop)` of the length-delimited payload whose length is at `position`,
     or `(-1, -1)` when malformed or running past `end`."""
@@ -144,7 +148,7 @@ def _payload(data, position, end):
     return position, position + np.int64(length)
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _is_key(data, start, stop, key_bytes, key_offsets, k):
     """Whether `data[start:stop]` is the schema's key `k`."""
     size = key_offsets[k + 1] - key_offsets[k]
@@ -156,7 +160,7 @@ def _is_key(data, start, stop, key_bytes, key_offsets, k):
     return True
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _key_index(data, start, stop, key_bytes, key_offsets, order):
     """The schema index of the key `data[start:stop]`, or -1.
 
@@ -180,7 +184,7 @@ def _key_index(data, start, stop, key_bytes, key_offsets, order):
     return -1
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _count_values(data, start, stop, kind):
     """Values of an Int64List / FloatList payload, or -1 when it holds anything unexpected."""
     count = 0
@@ -229,11 +233,18 @@ def _count_values(data, start, stop, kind):
     return count
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, order):
     """Reads one map entry of Features; False when unsure."""
     key_start, key_stop, value_start, value_stop = -1, -1, -1, -1
     position = start
+    # The plain encoding, key then value, each shorter than 128 bytes, read in place.
+    if stop - start >= 4 and data[start] == 0x0A and data[start + 1] < 0x80:
+        key_stop = start + 2 + np.int64(data[start + 1])
+        if key_stop + 2 <= stop and data[key_stop] == 0x12 and data[key_stop + 1] < 0x80:
+            if key_stop + 2 + np.int64(data[key_stop + 1]) == stop:
+                key_start, value_start, value_stop = start + 2, key_stop + 2, stop
+                position = stop
     while position < stop:
         tag, position = read_varint(data, position, stop)
         if position < 0:
@@ -280,11 +291,10 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
     return True
 
 
-@numba.njit(cache=True, nogil=True)
-def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
+@numba.njit(cache=True, nogil=True, _nrt=False)
+def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts, order):
     """Finds each record's lists of the schema's keys, counts their values; False when unsure."""
     num_keys = key_offsets.size - 1
-    order = np.full(num_keys + 2, num_keys, np.int64)  # see _key_index
     for record in range(offsets.size - 1):
         position, end = offsets[record], offsets[record + 1]
         order[num_keys + 1] = num_keys
@@ -321,7 +331,7 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)
 def _decode(data, spans, kinds, buckets, starts, out):
     """Decodes each key's list payloads `spans[record, k]` into `out[starts[k]:]`,
     in record order: one call for all keys, as a call per key costs more than
