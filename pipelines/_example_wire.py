@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from pipelines._fingerprint import fingerprint64
+from pipelines._fingerprint import bucket, bucket_reciprocal, fingerprint64
 
 BYTES_LIST = 1
 INT64_LIST = 3
@@ -70,6 +70,9 @@ class WireSchema:
         self.kinds = np.asarray(kinds, np.int64)
         self.exact_counts = np.asarray(exact_counts, np.int64)
         self.buckets = np.asarray(buckets or [0] * len(keys), np.uint64)
+        self.reciprocals = np.array(
+            [bucket_reciprocal(int(b)) if b else 0 for b in self.buckets], np.uint64
+        )
 
 
 def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
@@ -98,7 +101,7 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     starts = np.zeros(num_keys + 1, np.int64)
     np.cumsum(splits[:, -1], out=starts[1:])
     values = np.empty(starts[-1], np.int64)
-    _decode(data, spans, schema.kinds, schema.buckets, starts, values)
+    _decode(data, spans, schema.kinds, schema.buckets, schema.reciprocals, starts, values)
     out = {}
     for k, key in enumerate(schema.keys):
         key_values = values[starts[k] : starts[k + 1]]
@@ -332,7 +335,7 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts, order):
 
 
 @numba.njit(cache=True, nogil=True, _nrt=False)
-def _decode(data, spans, kinds, buckets, starts, out):
+def _decode(data, spans, kinds, buckets, reciprocals, starts, out):
     """Decodes each key's list payloads `spans[record, k]` into `out[starts[k]:]`,
     in record order: one call for all keys, as a call per key costs more than
     decoding a scalar key.
@@ -347,9 +350,16 @@ def _decode(data, spans, kinds, buckets, starts, out):
         for record in range(spans.shape[0]):
             position, stop = spans[record, k, 0], spans[record, k, 1]
             while kind == BYTES_LIST and position < stop:
-                position = read_varint(data, position, stop)[1]
-                start, position = _payload(data, position, stop)
-                out[j] = np.int64(fingerprint64(data, start, position - start) % buckets[k])
+                # `_locate` checked the encoding; a tag and a length of one byte
+                # (ids shorter than 128 bytes) are read in place.
+                if data[position] == 0x0A and data[position + 1] < 0x80:
+                    start = position + 2
+                    position = start + np.int64(data[position + 1])
+                else:
+                    position = read_varint(data, position, stop)[1]
+                    start, position = _payload(data, position, stop)
+                fp = fingerprint64(data, start, position - start)
+                out[j] = np.int64(bucket(fp, buckets[k], reciprocals[k]))
                 j += 1
             while position < stop:
                 tag, position = read_varint(data, position, stop)

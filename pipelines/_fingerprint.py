@@ -195,11 +195,43 @@ def _hash_len65plus(data, start, length):
     )
 
 
+def bucket_reciprocal(num_buckets: int) -> np.uint64:
+    """`floor((2^64 - 1) / num_buckets)`, which `bucket` takes to spare a division."""
+    return np.uint64((2**64 - 1) // num_buckets)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _high_product(a, b):
+    """The high 64 bits of the 128-bit product of the uint64s `a` and `b`."""
+    low = np.uint64(0xFFFFFFFF)
+    a_low, a_high = a & low, a >> np.uint64(32)
+    b_low, b_high = b & low, b >> np.uint64(32)
+    high_low = a_high * b_low
+    middle = ((a_low * b_low) >> np.uint64(32)) + (high_low & low) + a_low * b_high
+    return a_high * b_high + (high_low >> np.uint64(32)) + (middle >> np.uint64(32))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def bucket(value, num_buckets, reciprocal):
+    """`value % num_buckets` (uint64s), `reciprocal` being `bucket_reciprocal(num_buckets)`.
+
+    A 64-bit division takes tens of cycles, more than hashing a short id: the
+    quotient is estimated from the reciprocal instead (Barrett reduction),
+    at most 2 below the true one, and the remainder corrected.
+    """
+    remainder = value - _high_product(value, reciprocal) * num_buckets
+    if remainder >= num_buckets:
+        remainder -= num_buckets
+    if remainder >= num_buckets:
+        remainder -= num_buckets
+    return remainder
+
+
 @numba.njit(cache=True, nogil=True)
-def _hash_buckets(data, offsets, num_buckets, out):
+def _hash_buckets(data, offsets, num_buckets, reciprocal, out):
     for i in range(offsets.size - 1):
         fp = fingerprint64(data, offsets[i], offsets[i + 1] - offsets[i])
-        out[i] = np.int64(fp % np.uint64(num_buckets))
+        out[i] = np.int64(bucket(fp, num_buckets, reciprocal))
 
 
 def hash_bucket(strings: list[bytes], num_buckets: int) -> np.ndarray:
@@ -212,5 +244,5 @@ def hash_bucket(strings: list[bytes], num_buckets: int) -> np.ndarray:
     np.cumsum(lengths, out=offsets[1:])
     data = np.frombuffer(b"".join(strings), np.uint8)
     out = np.empty(len(strings), np.int64)
-    _hash_buckets(data, offsets, np.uint64(num_buckets), out)
+    _hash_buckets(data, offsets, np.uint64(num_buckets), bucket_reciprocal(num_buckets), out)
     return out

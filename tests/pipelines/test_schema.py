@@ -5,15 +5,18 @@ for the dense transforms, the generator's own values for the rest; the
 compiled path is compared bit for bit with the `tf.io.parse_example` one.
 """
 
+import numba
 import numpy as np
 import pipeline_cases as cases
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipelines
 from pipelines import _parse
 from pipelines._example_wire import read_examples
-from pipelines._fingerprint import hash_bucket
+from pipelines._fingerprint import bucket, bucket_reciprocal, hash_bucket
 
 SCHEMA = pipelines.RecordSchema(
     sparse=(
@@ -99,6 +102,32 @@ def test_fingerprint_equals_tensorflow_on_every_length_class():
     strings += ["naïve café".encode(), b"\x00" * 70]
     for buckets in (1, 7, 1000, 2**31 - 1, 2**63 - 1):
         np.testing.assert_array_equal(hash_bucket(strings, buckets), _tf_hash(strings, buckets))
+
+
+@numba.njit
+def _buckets(values, num_buckets, reciprocal):
+    return [bucket(v, num_buckets, reciprocal) for v in values]
+
+
+@settings(deadline=None)  # the first example compiles
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20),
+    st.one_of(st.integers(1, 2**63 - 1), st.sampled_from([1, 2, 3, 7, 2**32, 2**63 - 1])),
+)
+def test_bucket_is_the_remainder(values, num_buckets):
+    edges = [
+        0,
+        1,
+        num_buckets - 1,
+        num_buckets,
+        2**64 - 1,
+        (2**64 - 1) // num_buckets * num_buckets,
+    ]
+    values = values + [v for v in edges if 0 <= v < 2**64]
+    got = _buckets(
+        np.array(values, np.uint64), np.uint64(num_buckets), bucket_reciprocal(num_buckets)
+    )
+    assert [int(v) for v in got] == [v % num_buckets for v in values]
 
 
 def test_parse_follows_the_schema():
