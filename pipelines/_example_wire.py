@@ -101,7 +101,8 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     starts = np.zeros(num_keys + 1, np.int64)
     np.cumsum(splits[:, -1], out=starts[1:])
     values = np.empty(starts[-1], np.int64)
-    _decode(data, spans, schema.kinds, schema.buckets, schema.reciprocals, starts, values)
+    ends = starts[:-1].copy()
+    _decode(data, spans, schema.kinds, schema.buckets, schema.reciprocals, ends, values)
     out = {}
     for k, key in enumerate(schema.keys):
         key_values = values[starts[k] : starts[k + 1]]
@@ -335,20 +336,22 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts, order):
 
 
 @numba.njit(cache=True, nogil=True, _nrt=False)
-def _decode(data, spans, kinds, buckets, reciprocals, starts, out):
-    """Decodes each key's list payloads `spans[record, k]` into `out[starts[k]:]`,
-    in record order: one call for all keys, as a call per key costs more than
-    decoding a scalar key.
+def _decode(data, spans, kinds, buckets, reciprocals, ends, out):
+    """Decodes each key's list payloads `spans[record, k]` into `out[ends[k]:]`,
+    in record order, `ends[k]` moving past them: one call for all keys, as a
+    call per key costs more than decoding a scalar key, and record by record,
+    reading `spans` in its order.
 
     Int64List values as they are; FloatList values as their float32 bits;
     BytesList values as `Fingerprint64(value) % buckets[k]`.
     """
-    for k in range(kinds.size):
-        kind = kinds[k]
-        floats = kind == FLOAT_LIST
-        j = starts[k]
-        for record in range(spans.shape[0]):
+    for record in range(spans.shape[0]):
+        for k in range(kinds.size):
             position, stop = spans[record, k, 0], spans[record, k, 1]
+            if position == stop:
+                continue
+            kind = kinds[k]
+            j = ends[k]
             while kind == BYTES_LIST and position < stop:
                 # `_locate` checked the encoding; a tag and a length of one byte
                 # (ids shorter than 128 bytes) are read in place.
@@ -370,7 +373,7 @@ def _decode(data, spans, kinds, buckets, reciprocals, starts, out):
                     end = position + np.int64(length)
                 while single or position < end:
                     single = False
-                    if floats:
+                    if kind == FLOAT_LIST:
                         out[j] = (
                             np.int64(data[position])
                             | np.int64(data[position + 1]) << 8
@@ -382,3 +385,4 @@ def _decode(data, spans, kinds, buckets, reciprocals, starts, out):
                         value, position = read_varint(data, position, stop)
                         out[j] = np.int64(value)
                     j += 1
+            ends[k] = j
