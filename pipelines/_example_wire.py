@@ -194,6 +194,14 @@ def _count_values(data, start, stop, kind):
     count = 0
     position = start
     while position < stop:
+        if kind == BYTES_LIST and data[position] == 0x0A and position + 1 < stop:
+            length = np.int64(data[position + 1])
+            if length < 0x80:  # a value shorter than 128 bytes, read in place
+                position += 2 + length
+                if position > stop:
+                    return _UNSURE
+                count += 1
+                continue
         tag, position = read_varint(data, position, stop)
         if position < 0 or np.int64(tag >> np.uint64(3)) != 1:
             return _UNSURE
@@ -276,16 +284,24 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
     if spans[record, k, 1] > 0:
         return False  # the same key twice
     # The Feature: exactly one list, of the expected kind.
-    tag, position = read_varint(data, value_start, value_stop)
     if (
-        position < 0
-        or np.int64(tag & np.uint64(7)) != _LEN
-        or np.int64(tag >> np.uint64(3)) != kinds[k]
+        value_stop - value_start >= 2
+        and data[value_start] == kinds[k] << 3 | _LEN
+        and data[value_start + 1] < 0x80
+        and np.int64(data[value_start + 1]) == value_stop - value_start - 2
     ):
-        return False
-    list_start, list_end = _payload(data, position, value_stop)
-    if list_start < 0 or list_end != value_stop:
-        return False
+        list_start, list_end = value_start + 2, value_stop  # a list shorter than 128 bytes
+    else:
+        tag, position = read_varint(data, value_start, value_stop)
+        if (
+            position < 0
+            or np.int64(tag & np.uint64(7)) != _LEN
+            or np.int64(tag >> np.uint64(3)) != kinds[k]
+        ):
+            return False
+        list_start, list_end = _payload(data, position, value_stop)
+        if list_start < 0 or list_end != value_stop:
+            return False
     count = _count_values(data, list_start, list_end, kinds[k])
     if count < 0:
         return False
