@@ -87,17 +87,16 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     data = np.frombuffer(b"".join(records), np.uint8)
     num_keys = schema.kinds.size
     spans = np.zeros((len(records), num_keys, 2), np.int64)
-    counts = np.zeros((len(records), num_keys), np.int64)
+    splits = np.zeros((num_keys, len(records) + 1), np.int64)  # counts, then their sums
     order = np.full(num_keys + 2, num_keys, np.int64)  # see _key_index
     if not _locate(
-        data, offsets, schema.key_bytes, schema.key_offsets, schema.kinds, spans, counts, order
+        data, offsets, schema.key_bytes, schema.key_offsets, schema.kinds, spans, splits, order
     ):
         return None
     exact = schema.exact_counts >= 0
-    if (counts[:, exact] != schema.exact_counts[exact]).any():
+    if (splits[exact, 1:] != schema.exact_counts[exact, None]).any():
         return None
-    splits = np.zeros((num_keys, len(records) + 1), np.int64)
-    np.cumsum(counts.T, axis=1, out=splits[:, 1:])
+    np.cumsum(splits, axis=1, out=splits)
     starts = np.zeros(num_keys + 1, np.int64)
     np.cumsum(splits[:, -1], out=starts[1:])
     values = np.empty(starts[-1], np.int64)
@@ -307,13 +306,17 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
         return False
     spans[record, k, 0] = list_start
     spans[record, k, 1] = list_end
-    counts[record, k] = count
+    counts[k, record + 1] = count
     return True
 
 
 @numba.njit(cache=True, nogil=True, _nrt=False)
 def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts, order):
-    """Finds each record's lists of the schema's keys, counts their values; False when unsure."""
+    """Finds each record's lists of the schema's keys, counts their values; False when unsure.
+
+    `spans[record, k]` becomes the `(start, stop)` of key `k`'s list in the
+    record, `counts[k, record + 1]` its count of values.
+    """
     num_keys = key_offsets.size - 1
     for record in range(offsets.size - 1):
         position, end = offsets[record], offsets[record + 1]
