@@ -384,12 +384,17 @@ def _decode(data, spans, kinds, buckets, reciprocals, ends, out):
                 out[j] = np.int64(bucket(fp, buckets[k], reciprocals[k]))
                 j += 1
             while position < stop:
-                tag, position = read_varint(data, position, stop)
-                single = np.int64(tag & np.uint64(7)) != _LEN
-                end = position
-                if not single:
-                    length, position = read_varint(data, position, stop)
-                    end = position + np.int64(length)
+                if data[position] == 0x0A and data[position + 1] < 0x80:
+                    single = False  # a packed block shorter than 128 bytes
+                    end = position + 2 + np.int64(data[position + 1])
+                    position += 2
+                else:
+                    tag, position = read_varint(data, position, stop)
+                    single = np.int64(tag & np.uint64(7)) != _LEN
+                    end = position
+                    if not single:
+                        length, position = read_varint(data, position, stop)
+                        end = position + np.int64(length)
                 while single or position < end:
                     single = False
                     if kind == FLOAT_LIST:
