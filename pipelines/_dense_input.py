@@ -69,12 +69,15 @@ class DenseKeys:
         batch = counts.shape[1]
         if not self.keys:
             return np.zeros((batch, 0), np.float32)
-        columns = [parsed[key][0].astype(np.float32, copy=False) for key in self.keys]
+        # Int values become float32 as they are copied in (as `astype` casts them).
+        columns = [parsed[key][0] for key in self.keys]
         present = counts != 0
         if present.all():
-            lengths = self.lengths
             out = np.concatenate(
-                [c.reshape(batch, n) for c, n in zip(columns, lengths, strict=True)], axis=1
+                [c.reshape(batch, n) for c, n in zip(columns, self.lengths, strict=True)],
+                axis=1,
+                dtype=np.float32,
+                casting="unsafe",
             )
         else:
             out = np.tile(self._defaults, (batch, 1))
@@ -83,7 +86,10 @@ class DenseKeys:
                 out[rows, start : start + length] = column.reshape(-1, length)
                 start += length
         if self._log1p is not None:
-            out[:, self._log1p] = np.log1p(np.maximum(out[:, self._log1p], np.float32(0)))
+            values = out[:, self._log1p]
+            np.log1p(np.maximum(values, np.float32(0), out=values), out=values)
+            if not isinstance(self._log1p, slice):  # a copy, not a view of `out`
+                out[:, self._log1p] = values
         if self._standardized is not None:
             out[:, self._standardized] = (out[:, self._standardized] - self._mean) / self._std
         return out

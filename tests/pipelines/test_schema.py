@@ -310,6 +310,29 @@ def test_dense_keys_of_every_kind_equal_numpy(monkeypatch, missing):
     np.testing.assert_array_equal(fast.dense.view(np.uint32), slow.dense.view(np.uint32))
 
 
+@pytest.mark.parametrize("missing", [False, True])
+def test_dense_keys_all_log1p_equal_numpy(missing):
+    schema = pipelines.RecordSchema(
+        sparse=(pipelines.SparseColumn(name="item", key="iid"),),
+        dense=tuple(
+            pipelines.DenseColumn(key=key, type="int", default=2, transform="log1p")
+            for key in ("I1", "I2", "I3")
+        ),
+    )
+    rng = np.random.default_rng(4)
+    rows = [{key: int(rng.integers(-5, 10**6)) for key in ("I1", "I2", "I3")} for _ in range(40)]
+    if missing:
+        for row in rows[::3]:
+            del row["I2"]
+    records = [
+        _example({"iid": _int64s(1), "label": _int64s(1), **{k: _int64s(v) for k, v in r.items()}})
+        for r in rows
+    ]
+    raw = np.array([[r.get(k, 2) for k in ("I1", "I2", "I3")] for r in rows], np.float64)
+    dense = pipelines.parse_examples(records, pipelines.FeatureLayout.from_schema(schema)).dense
+    np.testing.assert_allclose(dense, np.log1p(np.maximum(raw, 0)), rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
