@@ -28,13 +28,20 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from pipelines._fingerprint import fingerprint64
+from pipelines._fingerprint import bucket, bucket_reciprocal, fingerprint64
 
 BYTES_LIST = 1
 INT64_LIST = 3
 FLOAT_LIST = 2
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 _UNSURE = -1
+
+# The compiled functions run without numba's reference counting (`_nrt=False`;
+# they allocate nothing): otherwise each use of an array in a loop may take
+# an atomic increment and decrement of its count, which cost more than the
+# parsing. `_locate`'s helpers are inlined by numba (`inline="always"`): a call
+# passes each array as several arguments and costs more, per map entry, than
+# reading the entry.
 
 
 class WireSchema:
@@ -63,6 +70,9 @@ class WireSchema:
         self.kinds = np.asarray(kinds, np.int64)
         self.exact_counts = np.asarray(exact_counts, np.int64)
         self.buckets = np.asarray(buckets or [0] * len(keys), np.uint64)
+        self.reciprocals = np.array(
+            [bucket_reciprocal(int(b)) if b else 0 for b in self.buckets], np.uint64
+        )
 
 
 def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
@@ -77,32 +87,37 @@ def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
     data = np.frombuffer(b"".join(records), np.uint8)
     num_keys = schema.kinds.size
     spans = np.zeros((len(records), num_keys, 2), np.int64)
-    counts = np.zeros((len(records), num_keys), np.int64)
+    splits = np.zeros((num_keys, len(records) + 1), np.int64)  # counts, then their sums
+    order = np.full(num_keys + 2, num_keys, np.int64)  # see _key_index
     if not _locate(
-        data, offsets, schema.key_bytes, schema.key_offsets, schema.kinds, spans, counts
+        data, offsets, schema.key_bytes, schema.key_offsets, schema.kinds, spans, splits, order
     ):
         return None
     exact = schema.exact_counts >= 0
-    if (counts[:, exact] != schema.exact_counts[exact]).any():
+    if (splits[exact, 1:] != schema.exact_counts[exact, None]).any():
         return None
-    splits = np.zeros((num_keys, len(records) + 1), np.int64)
-    np.cumsum(counts.T, axis=1, out=splits[:, 1:])
+    np.cumsum(splits, axis=1, out=splits)
+    starts = np.zeros(num_keys + 1, np.int64)
+    np.cumsum(splits[:, -1], out=starts[1:])
+    values = np.empty(starts[-1], np.int64)
+    ends = starts[:-1].copy()
+    _decode(data, spans, schema.kinds, schema.buckets, schema.reciprocals, ends, values)
     out = {}
     for k, key in enumerate(schema.keys):
-        floats = schema.kinds[k] == FLOAT_LIST
-        values = np.empty(splits[k, -1], np.int64)
-        _decode(data, spans[:, k], schema.kinds[k], schema.buckets[k], values)
-        out[key] = (values.astype(np.uint32).view(np.float32) if floats else values, splits[k])
+        key_values = values[starts[k] : starts[k + 1]]
+        if schema.kinds[k] == FLOAT_LIST:
+            key_values = key_values.astype(np.uint32).view(np.float32)
+        out[key] = (key_values, splits[k])
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False)
 def read_varint(data, position, end):
     """`(value, next position)`, or `(0, -1)` when the varint runs past `end` or 10 bytes."""
     value = np.uint64(0)
     shift = np.uint64(0)
     while position < end and shift < 70:
-        byte = data[position]
+        byte = data[np.uint64(position)]  # unsigned: no wraparound branch (_fingerprint._byte)
         position += 1
         value |= np.uint64(byte & 0x7F) << shift
         if byte < 0x80:
@@ -111,7 +126,7 @@ def read_varint(data, position, end):
     return np.uint64(0), -1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _field_end(data, position, end, wire_type):
     """The position after a field's payload starting at `position`, or -1 when malformed."""
     if wire_type == _VARINT:
@@ -126,7 +141,7 @@ def _field_end(data, position, end, wire_type):
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _payload(data, position, end):
     """`(start, stop)` of the length-delimited payload whose length is at `position`,
     or `(-1, -1)` when malformed or running past `end`."""
@@ -136,37 +151,56 @@ def _payload(data, position, end):
     return position, position + np.int64(length)
 
 
-@numba.njit(cache=True, nogil=True)
-def _key_index(data, start, stop, key_bytes, key_offsets, hint):
-    """The schema index of the key `data[start:stop]`, or -1; tries `hint[0]` first.
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
+def _is_key(data, start, stop, key_bytes, key_offsets, k):
+    """Whether `data[start:stop]` is the schema's key `k`."""
+    size = key_offsets[k + 1] - key_offsets[k]
+    if size != stop - start:
+        return False
+    for j in range(size):
+        if data[start + j] != key_bytes[key_offsets[k] + j]:
+            return False
+    return True
 
-    Records of one writer list their keys in one order: starting where the
-    previous key matched finds the next one at once instead of after
-    comparing it with every key before it. `hint[0]` becomes the index after
-    the match.
+
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
+def _key_index(data, start, stop, key_bytes, key_offsets, order):
+    """The schema index of the key `data[start:stop]`, or -1.
+
+    Records of one writer list their keys in one order (a map's, not the
+    schema's): `order[k]` is the key that followed key `k` last time
+    (`order[num_keys]`: the first key of a record), and `order[num_keys + 1]`
+    the key matched last. Trying the key that followed it last time finds
+    the key at once, instead of after comparing it with half the keys.
     """
     num_keys = key_offsets.size - 1
-    for i in range(num_keys):
-        k = (hint[0] + i) % num_keys
-        size = key_offsets[k + 1] - key_offsets[k]
-        if size == stop - start:
-            same = True
-            for j in range(size):
-                if data[start + j] != key_bytes[key_offsets[k] + j]:
-                    same = False
-                    break
-            if same:
-                hint[0] = (k + 1) % num_keys
-                return k
+    previous = order[num_keys + 1]
+    guess = order[previous]
+    if guess < num_keys and _is_key(data, start, stop, key_bytes, key_offsets, guess):
+        order[num_keys + 1] = guess
+        return guess
+    for k in range(num_keys):
+        if _is_key(data, start, stop, key_bytes, key_offsets, k):
+            order[previous] = k
+            order[num_keys + 1] = k
+            return k
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 def _count_values(data, start, stop, kind):
     """Values of an Int64List / FloatList payload, or -1 when it holds anything unexpected."""
     count = 0
     position = start
     while position < stop:
+        if kind == BYTES_LIST and data[position] == 0x0A and position + 1 < stop:
+            length = np.int64(data[position + 1])
+            if length < 0x80:  # a value shorter than 128 bytes, read in place
+                position += 2 + length
+                if position > stop:
+                    return _UNSURE
+                count += 1
+                continue
         tag, position = read_varint(data, position, stop)
         if position < 0 or np.int64(tag >> np.uint64(3)) != 1:
             return _UNSURE
@@ -210,11 +244,18 @@ def _count_values(data, start, stop, kind):
     return count
 
 
-@numba.njit(cache=True, nogil=True)
-def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, hint):
+@numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
+def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts, record, order):
     """Reads one map entry of Features; False when unsure."""
     key_start, key_stop, value_start, value_stop = -1, -1, -1, -1
     position = start
+    # The plain encoding, key then value, each shorter than 128 bytes, read in place.
+    if stop - start >= 4 and data[start] == 0x0A and data[start + 1] < 0x80:
+        key_stop = start + 2 + np.int64(data[start + 1])
+        if key_stop + 2 <= stop and data[key_stop] == 0x12 and data[key_stop + 1] < 0x80:
+            if key_stop + 2 + np.int64(data[key_stop + 1]) == stop:
+                key_start, value_start, value_stop = start + 2, key_stop + 2, stop
+                position = stop
     while position < stop:
         tag, position = read_varint(data, position, stop)
         if position < 0:
@@ -236,37 +277,50 @@ def _read_entry(data, start, stop, key_bytes, key_offsets, kinds, spans, counts,
         position = payload_end
     if key_start < 0 or value_start < 0:
         return False
-    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets, hint)
+    k = _key_index(data, key_start, key_stop, key_bytes, key_offsets, order)
     if k < 0:
         return True  # a feature the layout does not read
     if spans[record, k, 1] > 0:
         return False  # the same key twice
     # The Feature: exactly one list, of the expected kind.
-    tag, position = read_varint(data, value_start, value_stop)
     if (
-        position < 0
-        or np.int64(tag & np.uint64(7)) != _LEN
-        or np.int64(tag >> np.uint64(3)) != kinds[k]
+        value_stop - value_start >= 2
+        and data[value_start] == kinds[k] << 3 | _LEN
+        and data[value_start + 1] < 0x80
+        and np.int64(data[value_start + 1]) == value_stop - value_start - 2
     ):
-        return False
-    list_start, list_end = _payload(data, position, value_stop)
-    if list_start < 0 or list_end != value_stop:
-        return False
+        list_start, list_end = value_start + 2, value_stop  # a list shorter than 128 bytes
+    else:
+        tag, position = read_varint(data, value_start, value_stop)
+        if (
+            position < 0
+            or np.int64(tag & np.uint64(7)) != _LEN
+            or np.int64(tag >> np.uint64(3)) != kinds[k]
+        ):
+            return False
+        list_start, list_end = _payload(data, position, value_stop)
+        if list_start < 0 or list_end != value_stop:
+            return False
     count = _count_values(data, list_start, list_end, kinds[k])
     if count < 0:
         return False
     spans[record, k, 0] = list_start
     spans[record, k, 1] = list_end
-    counts[record, k] = count
+    counts[k, record + 1] = count
     return True
 
 
-@numba.njit(cache=True, nogil=True)
-def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
-    """Finds each record's lists of the schema's keys, counts their values; False when unsure."""
-    hint = np.zeros(1, np.int64)
+@numba.njit(cache=True, nogil=True, _nrt=False)
+def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts, order):
+    """Finds each record's lists of the schema's keys, counts their values; False when unsure.
+
+    `spans[record, k]` becomes the `(start, stop)` of key `k`'s list in the
+    record, `counts[k, record + 1]` its count of values.
+    """
+    num_keys = key_offsets.size - 1
     for record in range(offsets.size - 1):
         position, end = offsets[record], offsets[record + 1]
+        order[num_keys + 1] = num_keys
         seen_features = False
         while position < end:
             tag, position = read_varint(data, position, end)
@@ -293,47 +347,66 @@ def _locate(data, offsets, key_bytes, key_offsets, kinds, spans, counts):
                     spans,
                     counts,
                     record,
-                    hint,
+                    order,
                 ):
                     return False
                 position = entry_end
     return True
 
 
-@numba.njit(cache=True, nogil=True)
-def _decode(data, spans, kind, buckets, out):
-    """Decodes each record's list payload `spans[record]` into `out`, in record order.
+@numba.njit(cache=True, nogil=True, _nrt=False)
+def _decode(data, spans, kinds, buckets, reciprocals, ends, out):
+    """Decodes each key's list payloads `spans[record, k]` into `out[ends[k]:]`,
+    in record order, `ends[k]` moving past them: one call for all keys, as a
+    call per key costs more than decoding a scalar key, and record by record,
+    reading `spans` in its order.
 
     Int64List values as they are; FloatList values as their float32 bits;
-    BytesList values as `Fingerprint64(value) % buckets`.
+    BytesList values as `Fingerprint64(value) % buckets[k]`.
     """
-    floats = kind == FLOAT_LIST
-    j = 0
     for record in range(spans.shape[0]):
-        position, stop = spans[record, 0], spans[record, 1]
-        while kind == BYTES_LIST and position < stop:
-            position = read_varint(data, position, stop)[1]
-            start, position = _payload(data, position, stop)
-            out[j] = np.int64(fingerprint64(data, start, position - start) % buckets)
-            j += 1
-        while position < stop:
-            tag, position = read_varint(data, position, stop)
-            single = np.int64(tag & np.uint64(7)) != _LEN
-            end = position
-            if not single:
-                length, position = read_varint(data, position, stop)
-                end = position + np.int64(length)
-            while single or position < end:
-                single = False
-                if floats:
-                    out[j] = (
-                        np.int64(data[position])
-                        | np.int64(data[position + 1]) << 8
-                        | np.int64(data[position + 2]) << 16
-                        | np.int64(data[position + 3]) << 24
-                    )
-                    position += 4
+        for k in range(kinds.size):
+            position, stop = spans[record, k, 0], spans[record, k, 1]
+            if position == stop:
+                continue
+            kind = kinds[k]
+            j = ends[k]
+            while kind == BYTES_LIST and position < stop:
+                # `_locate` checked the encoding; a tag and a length of one byte
+                # (ids shorter than 128 bytes) are read in place.
+                if data[position] == 0x0A and data[position + 1] < 0x80:
+                    start = position + 2
+                    position = start + np.int64(data[position + 1])
                 else:
-                    value, position = read_varint(data, position, stop)
-                    out[j] = np.int64(value)
+                    position = read_varint(data, position, stop)[1]
+                    start, position = _payload(data, position, stop)
+                fp = fingerprint64(data, start, position - start)
+                out[j] = np.int64(bucket(fp, buckets[k], reciprocals[k]))
                 j += 1
+            while position < stop:
+                if data[position] == 0x0A and data[position + 1] < 0x80:
+                    single = False  # a packed block shorter than 128 bytes
+                    end = position + 2 + np.int64(data[position + 1])
+                    position += 2
+                else:
+                    tag, position = read_varint(data, position, stop)
+                    single = np.int64(tag & np.uint64(7)) != _LEN
+                    end = position
+                    if not single:
+                        length, position = read_varint(data, position, stop)
+                        end = position + np.int64(length)
+                while single or position < end:
+                    single = False
+                    if kind == FLOAT_LIST:
+                        out[j] = (
+                            np.int64(data[position])
+                            | np.int64(data[position + 1]) << 8
+                            | np.int64(data[position + 2]) << 16
+                            | np.int64(data[position + 3]) << 24
+                        )
+                        position += 4
+                    else:
+                        value, position = read_varint(data, position, stop)
+                        out[j] = np.int64(value)
+                    j += 1
+            ends[k] = j

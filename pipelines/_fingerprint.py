@@ -23,11 +23,22 @@ _K2 = np.uint64(0x9AE16A3B2F90404F)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _byte(data, p):
+    """`data[p]` as a uint64.
+
+    An unsigned index spares numba's wraparound of negative indices, a
+    branch per byte that also keeps LLVM from merging `_fetch`'s byte loads
+    into one load: hashing a short string then costs several times more.
+    """
+    return np.uint64(data[np.uint64(p)])
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _fetch(data, p, size):
     """The little-endian unsigned integer of `data[p : p + size]` (size 4 or 8)."""
     value = np.uint64(0)
     for i in range(size):
-        value |= np.uint64(data[p + i]) << np.uint64(8 * i)
+        value |= _byte(data, p + i) << np.uint64(8 * i)
     return value
 
 
@@ -60,7 +71,7 @@ def _hash_len16(u, v, mul):
     return b * mul
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _hash_len0to16(data, s, length):
     n = np.uint64(length)
     if length >= 8:
@@ -75,9 +86,9 @@ def _hash_len0to16(data, s, length):
         a = _fetch32(data, s)
         return _hash_len16(n + (a << np.uint64(3)), _fetch32(data, s + length - 4), mul)
     if length > 0:
-        a = np.uint64(data[s])
-        b = np.uint64(data[s + (length >> 1)])
-        c = np.uint64(data[s + length - 1])
+        a = _byte(data, s)
+        b = _byte(data, s + (length >> 1))
+        c = _byte(data, s + length - 1)
         y = (a + (b << np.uint64(8))) & np.uint64(0xFFFFFFFF)
         z = (n + (c << np.uint64(2))) & np.uint64(0xFFFFFFFF)
         return _shift_mix(y * _K2 ^ z * _K0) * _K2
@@ -125,15 +136,24 @@ def _weak_hash_len32_with_seeds(data, s, a, b):
     return a + z, b + c
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def fingerprint64(data, start, length):
-    """FarmHash Fingerprint64 of `data[start : start + length]` (`data`: uint8[n]), a uint64."""
+    """FarmHash Fingerprint64 of `data[start : start + length]` (`data`: uint8[n]), a uint64.
+
+    Inlined where it is called, so that short ids (the common case) are
+    hashed without a call.
+    """
     if length <= 16:
         return _hash_len0to16(data, start, length)
     if length <= 32:
         return _hash_len17to32(data, start, length)
     if length <= 64:
         return _hash_len33to64(data, start, length)
+    return _hash_len65plus(data, start, length)
+
+
+@numba.njit(cache=True, nogil=True)
+def _hash_len65plus(data, start, length):
     seed = np.uint64(81)
     x = seed
     y = seed * _K1 + np.uint64(113)
@@ -175,11 +195,43 @@ def fingerprint64(data, start, length):
     )
 
 
+def bucket_reciprocal(num_buckets: int) -> np.uint64:
+    """`floor((2^64 - 1) / num_buckets)`, which `bucket` takes to spare a division."""
+    return np.uint64((2**64 - 1) // num_buckets)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _high_product(a, b):
+    """The high 64 bits of the 128-bit product of the uint64s `a` and `b`."""
+    low = np.uint64(0xFFFFFFFF)
+    a_low, a_high = a & low, a >> np.uint64(32)
+    b_low, b_high = b & low, b >> np.uint64(32)
+    high_low = a_high * b_low
+    middle = ((a_low * b_low) >> np.uint64(32)) + (high_low & low) + a_low * b_high
+    return a_high * b_high + (high_low >> np.uint64(32)) + (middle >> np.uint64(32))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def bucket(value, num_buckets, reciprocal):
+    """`value % num_buckets` (uint64s), `reciprocal` being `bucket_reciprocal(num_buckets)`.
+
+    A 64-bit division takes tens of cycles, more than hashing a short id: the
+    quotient is estimated from the reciprocal instead (Barrett reduction),
+    at most 2 below the true one, and the remainder corrected.
+    """
+    remainder = value - _high_product(value, reciprocal) * num_buckets
+    if remainder >= num_buckets:
+        remainder -= num_buckets
+    if remainder >= num_buckets:
+        remainder -= num_buckets
+    return remainder
+
+
 @numba.njit(cache=True, nogil=True)
-def _hash_buckets(data, offsets, num_buckets, out):
+def _hash_buckets(data, offsets, num_buckets, reciprocal, out):
     for i in range(offsets.size - 1):
         fp = fingerprint64(data, offsets[i], offsets[i + 1] - offsets[i])
-        out[i] = np.int64(fp % np.uint64(num_buckets))
+        out[i] = np.int64(bucket(fp, num_buckets, reciprocal))
 
 
 def hash_bucket(strings: list[bytes], num_buckets: int) -> np.ndarray:
@@ -192,5 +244,5 @@ def hash_bucket(strings: list[bytes], num_buckets: int) -> np.ndarray:
     np.cumsum(lengths, out=offsets[1:])
     data = np.frombuffer(b"".join(strings), np.uint8)
     out = np.empty(len(strings), np.int64)
-    _hash_buckets(data, offsets, np.uint64(num_buckets), out)
+    _hash_buckets(data, offsets, np.uint64(num_buckets), bucket_reciprocal(num_buckets), out)
     return out

@@ -31,6 +31,7 @@ from google.protobuf import message as protobuf_message
 
 from embedding import RaggedIds
 from embedding._checks import check_int
+from pipelines._dense_input import DenseKeys
 from pipelines._errors import DataError
 from pipelines._example_wire import (
     BYTES_LIST,
@@ -44,7 +45,6 @@ from pipelines._schema import (
     DENSE_KEY,
     LABEL_KEY,
     DenseColumn,
-    DenseTransform,
     IdType,
     RecordSchema,
     ValueType,
@@ -369,34 +369,34 @@ def _parse_batch(records: list[bytes], layout: FeatureLayout) -> ParsedBatch:
     if parsed is None:
         parsed = _tf_parse(records, layout)
     schema = layout.schema
-    for index in _suspect_rows(parsed, schema, len(records)):
+    dense = DenseKeys.of(schema)
+    dense_counts = dense.counts(parsed, len(records))
+    for index in _suspect_rows(parsed, schema, dense.miscounted(dense_counts)):
         reason = _record_problem(records[index], schema)
         if reason:
             raise _BatchRejected(reason)
     ids = {c.name: RaggedIds(*parsed[c.key]) for c in schema.sparse}
     weights = {c.name: RaggedIds(*parsed[c.weights_key]) for c in schema.sparse if c.weights_key}
-    dense = [_dense_values(*parsed[c.key], c) for c in schema.dense]
     label_values = parsed[schema.label.key][0]
     if schema.label.type is ValueType.FLOAT:
         labels = (label_values > schema.label.threshold).astype(np.int32)
     else:
         labels = label_values.astype(np.int32)
     return ParsedBatch(
-        ids=ids,
-        weights=weights,
-        dense=np.concatenate(dense, axis=1) if dense else np.zeros((len(records), 0), np.float32),
-        labels=labels,
+        ids=ids, weights=weights, dense=dense.values(parsed, dense_counts), labels=labels
     )
 
 
-def _suspect_rows(parsed: dict[str, tuple], schema: RecordSchema, batch: int) -> np.ndarray:
+def _suspect_rows(
+    parsed: dict[str, tuple], schema: RecordSchema, dense_miscounted: np.ndarray
+) -> np.ndarray:
     """`int64[k]` rows the batch parse cannot vouch for.
 
     Both parses read an absent key as an empty row, and look neither at
     values (labels, non-finite floats) nor at counts (weights against ids,
-    dense lengths, one label).
+    dense lengths (`dense_miscounted`: `bool[batch]`), one label).
     """
-    suspect = np.zeros(batch, bool)
+    suspect = dense_miscounted.copy()
     for c in schema.sparse:
         lengths = np.diff(parsed[c.key][1])
         if c.required:
@@ -404,10 +404,8 @@ def _suspect_rows(parsed: dict[str, tuple], schema: RecordSchema, batch: int) ->
         if c.weights_key:
             suspect |= np.diff(parsed[c.weights_key][1]) != lengths
     for c in schema.dense:
-        values, splits = parsed[c.key]
-        counts = np.diff(splits)
-        suspect |= (counts != c.length) & ((counts != 0) | (c.default is None))
         if c.type is ValueType.FLOAT:
+            values, splits = parsed[c.key]
             _mark_rows(suspect, splits, ~np.isfinite(values))
     values, splits = parsed[schema.label.key]
     suspect |= np.diff(splits) != 1
@@ -423,27 +421,6 @@ def _mark_rows(suspect: np.ndarray, splits: np.ndarray, bad: np.ndarray) -> None
     """Sets `suspect[row]` for the row of every value where `bad` (`bool[nnz]`)."""
     if bad.any():
         suspect[np.repeat(np.arange(splits.size - 1), np.diff(splits))[bad]] = True
-
-
-def _dense_values(values: np.ndarray, splits: np.ndarray, column: DenseColumn) -> np.ndarray:
-    """`float32[batch, column.length]`: one key's values, defaults filled, transformed.
-
-    Every row holds `column.length` values, or none when the column has a default.
-    """
-    batch = splits.size - 1
-    values = values.astype(np.float32, copy=False)
-    present = np.diff(splits) == column.length
-    if present.all():
-        out = values.reshape(batch, column.length)
-    else:
-        out = np.full((batch, column.length), column.default, np.float32)
-        out[present] = values.reshape(-1, column.length)
-    if column.transform is DenseTransform.LOG1P:
-        return np.log1p(np.maximum(out, np.float32(0)))
-    if column.transform is DenseTransform.STANDARDIZE:
-        mean = np.asarray(column.mean, np.float32)
-        return (out - mean) / np.asarray(column.std, np.float32)
-    return out
 
 
 def _separate(

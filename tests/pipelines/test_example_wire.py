@@ -8,6 +8,8 @@ must give TensorFlow's result bit for bit, or refuse (None) the batches that
 hold a record it must not vouch for.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,10 +20,17 @@ import pipelines
 from pipelines import _parse
 from pipelines._example_wire import read_examples
 
-LAYOUT = pipelines.FeatureLayout(
-    sparse=("a", "bb"), weighted=frozenset({"bb"}), num_dense_features=3
+FIXED = pipelines.RecordSchema.fixed(("a", "bb"), frozenset({"bb"}), 3)
+LAYOUT = pipelines.FeatureLayout.from_schema(
+    dataclasses.replace(
+        FIXED,
+        sparse=(
+            *FIXED.sparse,
+            pipelines.SparseColumn(name="s", key="s", ids="bytes", hash_buckets=1000),
+        ),
+    )
 )
-KEYS = ("a", "bb", "bb_weights", "dense", "label")
+KEYS = ("a", "bb", "s", "bb_weights", "dense", "label")
 ANOMALIES = (
     "missing label",
     "missing dense",
@@ -78,9 +87,13 @@ def records(draw, anomaly: str | None):
             _float_list(draw(st.lists(FLOAT_BITS, min_size=3, max_size=3)), draw(st.booleans())),
         ),
         "label": (3, _int64_list([draw(st.sampled_from([0, 1, 7, -1]))], draw(st.booleans()))),
+        "s": (
+            1,
+            b"".join(_field(1, v) for v in draw(st.lists(st.binary(max_size=200), max_size=3))),
+        ),
         "other": (1, _field(1, b"bytes")),
     }
-    for key in ("a", "bb", "bb_weights"):
+    for key in ("a", "bb", "s", "bb_weights"):
         if draw(st.integers(0, 5)) == 0:
             del lists[key]  # absent sparse features read as empty rows
     if anomaly == "missing label":

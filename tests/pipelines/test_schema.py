@@ -5,15 +5,18 @@ for the dense transforms, the generator's own values for the rest; the
 compiled path is compared bit for bit with the `tf.io.parse_example` one.
 """
 
+import numba
 import numpy as np
 import pipeline_cases as cases
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipelines
 from pipelines import _parse
 from pipelines._example_wire import read_examples
-from pipelines._fingerprint import hash_bucket
+from pipelines._fingerprint import bucket, bucket_reciprocal, hash_bucket
 
 SCHEMA = pipelines.RecordSchema(
     sparse=(
@@ -99,6 +102,32 @@ def test_fingerprint_equals_tensorflow_on_every_length_class():
     strings += ["naïve café".encode(), b"\x00" * 70]
     for buckets in (1, 7, 1000, 2**31 - 1, 2**63 - 1):
         np.testing.assert_array_equal(hash_bucket(strings, buckets), _tf_hash(strings, buckets))
+
+
+@numba.njit
+def _buckets(values, num_buckets, reciprocal):
+    return [bucket(v, num_buckets, reciprocal) for v in values]
+
+
+@settings(deadline=None)  # the first example compiles
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20),
+    st.one_of(st.integers(1, 2**63 - 1), st.sampled_from([1, 2, 3, 7, 2**32, 2**63 - 1])),
+)
+def test_bucket_is_the_remainder(values, num_buckets):
+    edges = [
+        0,
+        1,
+        num_buckets - 1,
+        num_buckets,
+        2**64 - 1,
+        (2**64 - 1) // num_buckets * num_buckets,
+    ]
+    values = values + [v for v in edges if 0 <= v < 2**64]
+    got = _buckets(
+        np.array(values, np.uint64), np.uint64(num_buckets), bucket_reciprocal(num_buckets)
+    )
+    assert [int(v) for v in got] == [v % num_buckets for v in values]
 
 
 def test_parse_follows_the_schema():
@@ -206,6 +235,102 @@ def test_standardize_needs_moments_and_applies_them():
     np.testing.assert_allclose(pipelines.parse_examples(records, layout).dense[:, 0], [-2.0, 4.0])
     raw = pipelines.FeatureLayout.from_schema(schema.without_standardization())
     np.testing.assert_array_equal(pipelines.parse_examples(records, raw).dense[:, 0], [1.0, 4.0])
+
+
+MIXED_DENSE = (
+    pipelines.DenseColumn(key="a", type="int", default=1, transform="log1p"),
+    pipelines.DenseColumn(key="b", transform="standardize", mean=(1.0,), std=(2.0,)),
+    pipelines.DenseColumn(
+        key="c", length=2, default=-1.5, transform="standardize", mean=(0.0, -1.0), std=(4, 0.5)
+    ),
+    pipelines.DenseColumn(key="d", type="int", default=3),
+    pipelines.DenseColumn(key="e", length=2),
+    pipelines.DenseColumn(key="f", transform="log1p"),
+)
+
+
+def _mixed_dense_rows(rng, size, *, missing):
+    """`size` rows `{key: values or None}` of MIXED_DENSE; keys with a default are
+    left out of some rows when `missing`."""
+    rows = []
+    for _ in range(size):
+        row = {
+            "a": [int(rng.integers(-3, 10**5))],
+            "b": [float(np.float32(rng.normal()))],
+            "c": [float(v) for v in rng.normal(size=2).astype(np.float32)],
+            "d": [int(rng.integers(-(2**40), 2**40))],
+            "e": [float(v) for v in rng.normal(size=2).astype(np.float32)],
+            "f": [float(np.float32(rng.normal()))],
+        }
+        for key in ("a", "c", "d"):
+            if missing and rng.random() < 0.4:
+                row[key] = None
+        rows.append(row)
+    return rows
+
+
+def _mixed_dense_expected(rows):
+    """float64 reference of MIXED_DENSE's dense input."""
+    out = []
+    for row in rows:
+        a = (row["a"] or [1])[0]
+        c = np.array(row["c"] or [-1.5, -1.5], np.float64)
+        out.append(
+            [
+                np.log1p(max(a, 0)),
+                (row["b"][0] - 1.0) / 2.0,
+                *((c - [0.0, -1.0]) / [4.0, 0.5]),
+                float(np.float32((row["d"] or [3])[0])),
+                *row["e"],
+                np.log1p(max(row["f"][0], 0.0)),
+            ]
+        )
+    return np.array(out)
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_dense_keys_of_every_kind_equal_numpy(monkeypatch, missing):
+    schema = pipelines.RecordSchema(
+        sparse=(pipelines.SparseColumn(name="item", key="iid"),), dense=MIXED_DENSE
+    )
+    layout = pipelines.FeatureLayout.from_schema(schema)
+    rows = _mixed_dense_rows(np.random.default_rng(3), 50, missing=missing)
+    records = []
+    for row in rows:
+        features = {"iid": _int64s(1), "label": _int64s(0)}
+        for key, values in row.items():
+            if values is not None:
+                features[key] = _int64s(*values) if key in ("a", "d") else _floats(*values)
+        records.append(_example(features))
+    fast = pipelines.parse_examples(records, layout)
+    assert fast.dense.shape == (50, 8) and fast.dense.dtype == np.float32
+    np.testing.assert_allclose(fast.dense, _mixed_dense_expected(rows), rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(_parse, "read_examples", lambda records, schema: None)
+    slow = pipelines.parse_examples(records, layout)
+    np.testing.assert_array_equal(fast.dense.view(np.uint32), slow.dense.view(np.uint32))
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_dense_keys_all_log1p_equal_numpy(missing):
+    schema = pipelines.RecordSchema(
+        sparse=(pipelines.SparseColumn(name="item", key="iid"),),
+        dense=tuple(
+            pipelines.DenseColumn(key=key, type="int", default=2, transform="log1p")
+            for key in ("I1", "I2", "I3")
+        ),
+    )
+    rng = np.random.default_rng(4)
+    rows = [{key: int(rng.integers(-5, 10**6)) for key in ("I1", "I2", "I3")} for _ in range(40)]
+    if missing:
+        for row in rows[::3]:
+            del row["I2"]
+    records = [
+        _example({"iid": _int64s(1), "label": _int64s(1), **{k: _int64s(v) for k, v in r.items()}})
+        for r in rows
+    ]
+    raw = np.array([[r.get(k, 2) for k in ("I1", "I2", "I3")] for r in rows], np.float64)
+    dense = pipelines.parse_examples(records, pipelines.FeatureLayout.from_schema(schema)).dense
+    np.testing.assert_allclose(dense, np.log1p(np.maximum(raw, 0)), rtol=1e-6)
 
 
 @pytest.mark.parametrize(
