@@ -7,7 +7,8 @@ ReadGlobalBatches forms training's batches when the job knows training's
 order (`FdoJobConfig.training_order`): every record goes to its batch of
 every epoch through one GroupByKey (`_training_batches`). Otherwise it forms
 the batches of the good records in file order: ranges cut at batch
-boundaries, fragments joined (`_batches`).
+boundaries, fragments joined (`_batches`), the batches within one range
+folded into stats as the range is checked (`_range_stats`).
 
 Counters (Beam metrics, namespace `METRICS_NAMESPACE`): `records` read,
 `bad_records` sent to the dead letters, `tail_records` of the dropped last
@@ -41,38 +42,49 @@ from beam_jobs._batches import (
     RangeCheck,
     RangeOffsets,
     RecordRange,
-    batch_fragments,
+    all_good,
     check_records,
     join_fragments,
     range_offsets,
+    range_span,
     read_range,
     split_file,
 )
-from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn
+from beam_jobs._combiners import MergeAccumulatorsFn
 from beam_jobs._dense_moments import DenseMomentsFn, by_key, moments_of
 from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._range_stats import RangeStats, RangeStatsComputer, fdo_stats_fn
 from beam_jobs._training_batches import TrainingBatchPlan, batch_parts, join_parts
 
 METRICS_NAMESPACE = "sparseflow.fdo"
 _DEAD_LETTERS = "dead_letters"
-BATCH_PARTS = ("batches", "whole_batches", "joined_batches")
+BATCH_PARTS = ("batches", "joined_batches")
 _FRAGMENTS = "fragments"
 _MOMENTS = "dense_moments"
+_RANGE_STATS = "range_stats"
 
 
 class _CheckRecordsFn(beam.DoFn):
-    """A range -> `(range key, RangeCheck)`; its bad records as dead letters."""
+    """A range -> `(range key, RangeCheck)`; its bad records as dead letters.
+
+    Given `assumed` offsets (file order: `all_good`), also `(range,
+    RangeStats)` under them (`_RANGE_STATS`).
+    """
 
     def __init__(self, config: FdoJobConfig):
-        self._layout = config.layout
-        self._vocabulary_sizes = config.vocabulary_sizes
+        self._config = config
         self._moments = config.moments_schema is not None
         self._records = Metrics.counter(METRICS_NAMESPACE, "records")
         self._bad_records = Metrics.counter(METRICS_NAMESPACE, "bad_records")
 
-    def process(self, record_range: RecordRange):
+    def setup(self):
+        file_order = self._config.training_order is None
+        self._range_stats = RangeStatsComputer(self._config) if file_order else None
+
+    def process(self, record_range: RecordRange, assumed: RangeOffsets | None = None):
         records = read_range(record_range)
-        rows, problems = check_records(records, self._layout, self._vocabulary_sizes)
+        c = self._config
+        rows, problems = check_records(records, c.layout, c.vocabulary_sizes)
         self._records.inc(len(records))
         self._bad_records.inc(len(problems))
         for index, reason in problems:
@@ -88,31 +100,39 @@ class _CheckRecordsFn(beam.DoFn):
             yield beam.pvalue.TaggedOutput(_MOMENTS, moments_of(rows.dense))
         bad = np.array([index for index, _ in problems], np.int64)
         yield record_range.key, RangeCheck(len(records), bad)
+        if assumed is not None:
+            stats = self._range_stats(record_range.key, rows, assumed)
+            yield beam.pvalue.TaggedOutput(_RANGE_STATS, (record_range, stats))
 
 
-class _CutIntoBatchesFn(beam.DoFn):
-    """A range -> its whole batches `(batch, rows)`, and fragments of the others."""
+class _SettleRangesFn(beam.DoFn):
+    """`(range, RangeStats)` under assumed offsets -> the stats under `offsets`, the true ones.
+
+    Outputs the accumulator of the range's whole batches, and its fragments
+    (`_FRAGMENTS`); a range whose span moved is read, checked and cut again.
+    """
 
     def __init__(self, config: FdoJobConfig):
-        self._layout = config.layout
-        self._vocabulary_sizes = config.vocabulary_sizes
-        self._batch_size = config.geometry.global_batch_size
+        self._config = config
         self._tail_records = Metrics.counter(METRICS_NAMESPACE, "tail_records")
+        self._batches = Metrics.counter(METRICS_NAMESPACE, "batches")
 
-    def process(self, record_range: RecordRange, offsets: RangeOffsets):
-        # The range is read and checked again rather than kept from the first
-        # pass: keeping it would hold the whole dataset between the passes (in
-        # memory on the in-process runner, in the shuffle on the others).
-        rows, _ = check_records(read_range(record_range), self._layout, self._vocabulary_sizes)
-        first = offsets.first[record_range.key]
-        batches = offsets.total // self._batch_size
-        end = batches * self._batch_size
-        self._tail_records.inc(max(0, first + rows.num_rows - max(first, end)))
-        for batch, offset, fragment in batch_fragments(rows, first, self._batch_size, batches):
-            if fragment.num_rows == self._batch_size:
-                yield batch, fragment
-            else:
-                yield beam.pvalue.TaggedOutput(_FRAGMENTS, (batch, (offset, fragment)))
+    def setup(self):
+        self._range_stats = RangeStatsComputer(self._config)
+
+    def process(self, range_and_stats: tuple[RecordRange, RangeStats], offsets: RangeOffsets):
+        record_range, stats = range_and_stats
+        c = self._config
+        span = range_span(offsets, record_range.key, stats.good, c.geometry.global_batch_size)
+        if span != stats.span:
+            rows, _ = check_records(read_range(record_range), c.layout, c.vocabulary_sizes)
+            stats = self._range_stats(record_range.key, rows, offsets)
+        self._tail_records.inc(span[0] + stats.good - span[1])
+        self._batches.inc(stats.batches)
+        for fragment in stats.fragments:
+            yield beam.pvalue.TaggedOutput(_FRAGMENTS, fragment)
+        if stats.batches:
+            yield stats.accumulator
 
 
 class _PlaceRecordsFn(beam.DoFn):
@@ -174,12 +194,12 @@ class ReadGlobalBatches(beam.PTransform):
     `beam_jobs._batches` (without) for which batches these are. The output
     is a dict: "dead_letters" (`{"file", "record_index", "reason"}` per bad
     record), "dense_moments" (`Moments` per range, with
-    `config.moments_schema` only) and the batches in parts (`BATCH_PARTS`). With a training order,
-    one part, "batches", and "batch_order" (one `embedding.FdoBatchOrder`).
-    Without, "whole_batches" (read within one range) and "joined_batches"
-    (joined from fragments of several ranges), left apart so that the
-    per-batch work fuses with the reading: the in-process runner would hold
-    a Flatten's inputs in memory.
+    `config.moments_schema` only) and the batches in parts (`BATCH_PARTS`).
+    With a training order, one part, "batches", and "batch_order" (one
+    `embedding.FdoBatchOrder`). Without, "joined_batches" (joined from
+    fragments of several ranges) and, for the batches within one range,
+    their stats already: "whole_batch_stats", an `FdoStatsFn` accumulator
+    per range (`beam_jobs._range_stats`).
     """
 
     def __init__(self, files: list[str], config: FdoJobConfig):
@@ -190,23 +210,32 @@ class ReadGlobalBatches(beam.PTransform):
     def expand(self, pbegin):
         config = self._config
         ranges = self._ranges(pbegin)
-        checked = ranges | "CheckRecords" >> beam.ParDo(_CheckRecordsFn(config)).with_outputs(
-            _DEAD_LETTERS, _MOMENTS, main="checks"
-        )
+        side_inputs = {}
+        if config.training_order is None:
+            assumed = (
+                ranges
+                | "AssumeAllGood" >> beam.Map(all_good)
+                | "GatherRanges" >> beam.combiners.ToList().without_defaults()
+                | "NumberRecords" >> beam.Map(range_offsets)
+            )
+            side_inputs["assumed"] = beam.pvalue.AsSingleton(assumed)
+        checked = ranges | "CheckRecords" >> beam.ParDo(
+            _CheckRecordsFn(config), **side_inputs
+        ).with_outputs(_DEAD_LETTERS, _MOMENTS, _RANGE_STATS, main="checks")
         checks = checked.checks | "GatherChecks" >> beam.combiners.ToList().without_defaults()
         if config.training_order is not None:
             return self._training_batches(ranges, checks, checked)
         offsets = checks | "NumberRanges" >> beam.Map(range_offsets)
-        cut = ranges | "CutIntoBatches" >> beam.ParDo(
-            _CutIntoBatchesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
+        settled = checked[_RANGE_STATS] | "SettleRanges" >> beam.ParDo(
+            _SettleRangesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
         ).with_outputs(_FRAGMENTS, main="whole")
         joined = (
-            cut[_FRAGMENTS]
+            settled[_FRAGMENTS]
             | "GroupFragments" >> beam.GroupByKey()
             | "JoinFragments" >> beam.Map(_joined, config.geometry.global_batch_size)
         )
         return {
-            "whole_batches": cut.whole,
+            "whole_batch_stats": settled.whole,
             "joined_batches": joined,
             "dead_letters": checked[_DEAD_LETTERS],
             "dense_moments": checked[_MOMENTS],
@@ -299,8 +328,10 @@ class _AccumulateFn(beam.DoFn):
 class CombineFdoStats(beam.PTransform):
     """`BatchStats` -> one `embedding.FdoStats`, none when there are no batches.
 
-    The input is one PCollection, or a tuple of them (parts of the batches):
-    each part is folded per bundle into accumulators, and the few
+    The input is one PCollection, or a tuple of them (parts of the batches),
+    or a dict of such: "batch_stats" (`BatchStats`) and "accumulators"
+    (`FdoStatsFn` accumulators of batches folded already). Each part of
+    `BatchStats` is folded per bundle into accumulators, and the few
     accumulators are merged (no Flatten of the per-batch stats).
     """
 
@@ -308,23 +339,23 @@ class CombineFdoStats(beam.PTransform):
         super().__init__()
         self._config = config
 
-    def expand(self, batch_stats):
-        c = self._config
-        fn = FdoStatsFn(
-            geometry=c.geometry,
-            config_hash=c.config_hash,
-            top_k=c.top_k,
-            layout=None if c.fdo_layout is None else c.fdo_layout.entries,
-        )
-        parts = batch_stats if isinstance(batch_stats, tuple) else (batch_stats,)
+    def expand(self, inputs):
+        fn = fdo_stats_fn(self._config)
+        if not isinstance(inputs, dict):
+            inputs = {"batch_stats": inputs}
         accumulators = [
-            part | f"Accumulate{i}" >> beam.ParDo(_AccumulateFn(fn)) for i, part in enumerate(parts)
+            part | f"Accumulate{i}" >> beam.ParDo(_AccumulateFn(fn))
+            for i, part in enumerate(_parts(inputs.get("batch_stats", ())))
         ]
         return (
-            accumulators
+            [*accumulators, *_parts(inputs.get("accumulators", ()))]
             | "GatherAccumulators" >> beam.Flatten()
             | "Merge" >> beam.CombineGlobally(MergeAccumulatorsFn(fn)).without_defaults()
         )
+
+
+def _parts(pcolls) -> tuple:
+    return pcolls if isinstance(pcolls, tuple) else (pcolls,)
 
 
 class ComputeFdoStats(beam.PTransform):
@@ -343,7 +374,10 @@ class ComputeFdoStats(beam.PTransform):
             for part in BATCH_PARTS
             if part in read
         )
-        stats = batch_stats | "CombineFdoStats" >> CombineFdoStats(self._config)
+        stats = {"batch_stats": batch_stats}
+        if "whole_batch_stats" in read:
+            stats["accumulators"] = read["whole_batch_stats"]
+        stats = stats | "CombineFdoStats" >> CombineFdoStats(self._config)
         if "batch_order" in read:
             stats = stats | "WithBatchOrder" >> beam.Map(
                 lambda stats, order: dataclasses.replace(stats, batch_order=order),

@@ -18,8 +18,10 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
 
 import beam_jobs
+import beam_jobs._transforms
 import embedding
 import pipelines
+from beam_jobs import _batches
 
 SYNTHETIC_EXAMPLES = 400
 
@@ -149,6 +151,59 @@ def test_run_fdo_job_in_process_and_in_worker_processes(synthetic, tmp_path, pip
     # No temporary files are left behind.
     assert sorted(os.listdir(out)) == sorted(
         [os.path.basename(result.stats_path), beam_jobs.DEAD_LETTERS_NAME]
+    )
+
+
+def _count_range_reads(monkeypatch) -> list:
+    """The ranges the in-process job reads (`read_range` calls), as they happen."""
+    reads = []
+
+    def read_range(record_range):
+        reads.append(record_range)
+        return _batches.read_range(record_range)
+
+    monkeypatch.setattr(beam_jobs._transforms, "read_range", read_range)
+    return reads
+
+
+def test_without_bad_records_every_range_is_read_once(synthetic, tmp_path, monkeypatch):
+    files = synthetic["arrayrecord"]
+    config = fdo_cases.job_config(records_per_range=50)
+    expected, _ = fdo_cases.reference(files, config)
+    reads = _count_range_reads(monkeypatch)
+    result = beam_jobs.run_fdo_job(config, files, str(tmp_path / "fdo"))
+
+    assert fdo_cases.document(result.stats) == expected
+    ranges = [r for i, path in enumerate(files) for r in _batches.split_file(i, path, 50)]
+    assert sorted(reads) == sorted(ranges)
+
+
+def test_ranges_after_bad_records_are_read_again(tmp_path, monkeypatch):
+    # File b's records 20 to 32 are bad: 127 good records, 3 batches of 32.
+    bad = [record for record, _ in fdo_cases.BAD_RECORDS.values()]
+    records_b = [
+        bad[i % len(bad)] if 20 <= i <= 32 else fdo_cases.example(100 + i) for i in range(40)
+    ]
+    files = [
+        fdo_cases.write_records(
+            str(tmp_path / "a.array_record"), [fdo_cases.example(row) for row in range(100)]
+        ),
+        fdo_cases.write_records(str(tmp_path / "b.array_record"), records_b),
+    ]
+    config = fdo_cases.job_config(processes=2, records_per_range=16)
+    expected, dead = fdo_cases.reference(files, config)
+    assert len(dead) == 13
+    reads = _count_range_reads(monkeypatch)
+    result = beam_jobs.run_fdo_job(config, files, str(tmp_path / "fdo"))
+
+    assert fdo_cases.document(result.stats) == expected
+    assert result.counters == {"records": 140, "bad_records": 13, "tail_records": 31, "batches": 3}
+    # As if all were good, a's last range (good records [96, 100)) and b's
+    # first ones would be in batch 3; b's last range would start at 132, not
+    # 120. The ranges before keep what the first read found.
+    again = [(0, 96), (1, 0), (1, 16), (1, 32)]
+    assert sorted(r.key for r in reads) == sorted(
+        [(0, start) for start in range(0, 100, 16)] + [(1, start) for start in (0, 16, 32)] + again
     )
 
 
