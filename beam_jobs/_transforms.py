@@ -360,7 +360,10 @@ def _parts(pcolls) -> tuple:
 
 class ComputeFdoStats(beam.PTransform):
     """Record files -> {"stats": one `embedding.FdoStats`, "dead_letters": dicts,
-    "dense_moments": the moments file's content (with `config.moments_schema` only)}."""
+    "dense_moments": the moments file's content (with `config.moments_schema` only)}.
+
+    Without `config.moments_schema`, there is no "dense_moments", nor its steps.
+    """
 
     def __init__(self, files: list[str], config: FdoJobConfig):
         super().__init__()
@@ -383,12 +386,14 @@ class ComputeFdoStats(beam.PTransform):
                 lambda stats, order: dataclasses.replace(stats, batch_order=order),
                 beam.pvalue.AsSingleton(read["batch_order"]),
             )
-        moments = (
-            read["dense_moments"]
-            | "CombineDenseMoments" >> beam.CombineGlobally(DenseMomentsFn()).without_defaults()
-            | "DenseMomentsByKey" >> beam.Map(by_key, self._config.moments_schema)
-        )
-        return {"stats": stats, "dead_letters": read["dead_letters"], "dense_moments": moments}
+        outputs = {"stats": stats, "dead_letters": read["dead_letters"]}
+        if self._config.moments_schema is not None:
+            outputs["dense_moments"] = (
+                read["dense_moments"]
+                | "CombineDenseMoments" >> beam.CombineGlobally(DenseMomentsFn()).without_defaults()
+                | "DenseMomentsByKey" >> beam.Map(by_key, self._config.moments_schema)
+            )
+        return outputs
 
 
 def _write_atomically(stats: embedding.FdoStats, path: str) -> None:
