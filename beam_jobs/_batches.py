@@ -290,9 +290,9 @@ def range_offsets(checks: Iterable[tuple[tuple[int, int], RangeCheck]]) -> Range
     return RangeOffsets(first, total)
 
 
-def all_good(record_range: RecordRange) -> tuple[tuple[int, int], RangeCheck]:
-    """`(key, check)` of the range as if all its records were good (for `range_offsets`)."""
-    return record_range.key, RangeCheck(record_range.stop - record_range.start, _NO_RECORDS)
+def assumed_offsets(ranges: Iterable[RecordRange]) -> RangeOffsets:
+    """The numbering of the good records of `ranges` if all their records were good."""
+    return range_offsets((r.key, RangeCheck(r.stop - r.start, _NO_RECORDS)) for r in ranges)
 
 
 def range_span(

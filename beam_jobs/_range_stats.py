@@ -4,7 +4,7 @@ The batches are those of `beam_jobs._batches`: a range's good records are
 numbered from the good records of all earlier ranges, which are known only
 once every range is checked. Reading and parsing are most of the job, so
 the pass that checks a range does not wait for them: it numbers the range's
-good records as if every earlier record were good (`all_good`), cuts them at
+good records as if every earlier record were good (`assumed_offsets`), cuts them at
 batch boundaries, and folds the stats of its whole batches into one
 `FdoStatsFn` accumulator. Once all ranges are checked, that part stands if
 its span (`range_span`: the numbers of the good records that whole batches

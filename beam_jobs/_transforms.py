@@ -24,6 +24,7 @@ value), and dead letters are written in two steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import posixpath
 import shutil
@@ -42,7 +43,7 @@ from beam_jobs._batches import (
     RangeCheck,
     RangeOffsets,
     RecordRange,
-    all_good,
+    assumed_offsets,
     check_records,
     join_fragments,
     range_offsets,
@@ -187,6 +188,25 @@ class _Redistribute(beam.PTransform):
         )
 
 
+class _Gather(beam.PTransform):
+    """All elements -> `fn(list of them)`, one element (none from no elements).
+
+    A plain GroupByKey on one key: `ToList` and a `Map` add steps to every run.
+    """
+
+    def __init__(self, fn):
+        super().__init__()
+        self._fn = fn
+
+    def expand(self, pcoll):
+        return (
+            pcoll
+            | "Key" >> beam.Map(lambda element: (None, element))
+            | "Group" >> beam.GroupByKey()
+            | "Apply" >> beam.Map(lambda key_values, fn: fn(list(key_values[1])), self._fn)
+        )
+
+
 class ReadGlobalBatches(beam.PTransform):
     """Record files -> `(batch number, SparseRows)` for every whole global batch.
 
@@ -212,20 +232,14 @@ class ReadGlobalBatches(beam.PTransform):
         ranges = self._ranges(pbegin)
         side_inputs = {}
         if config.training_order is None:
-            assumed = (
-                ranges
-                | "AssumeAllGood" >> beam.Map(all_good)
-                | "GatherRanges" >> beam.combiners.ToList().without_defaults()
-                | "NumberRecords" >> beam.Map(range_offsets)
-            )
+            assumed = ranges | "NumberRecords" >> _Gather(assumed_offsets)
             side_inputs["assumed"] = beam.pvalue.AsSingleton(assumed)
         checked = ranges | "CheckRecords" >> beam.ParDo(
             _CheckRecordsFn(config), **side_inputs
         ).with_outputs(_DEAD_LETTERS, _MOMENTS, _RANGE_STATS, main="checks")
-        checks = checked.checks | "GatherChecks" >> beam.combiners.ToList().without_defaults()
         if config.training_order is not None:
-            return self._training_batches(ranges, checks, checked)
-        offsets = checks | "NumberRanges" >> beam.Map(range_offsets)
+            return self._training_batches(ranges, checked)
+        offsets = checked.checks | "NumberRanges" >> _Gather(range_offsets)
         settled = checked[_RANGE_STATS] | "SettleRanges" >> beam.ParDo(
             _SettleRangesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
         ).with_outputs(_FRAGMENTS, main="whole")
@@ -241,12 +255,10 @@ class ReadGlobalBatches(beam.PTransform):
             "dense_moments": checked[_MOMENTS],
         }
 
-    def _training_batches(self, ranges, checks, checked):
+    def _training_batches(self, ranges, checked):
         config = self._config
-        plan = checks | "PlanTrainingBatches" >> beam.Map(
-            lambda checks, order, geometry: TrainingBatchPlan(order, geometry, checks),
-            config.training_order,
-            config.geometry,
+        plan = checked.checks | "PlanTrainingBatches" >> _Gather(
+            functools.partial(TrainingBatchPlan, config.training_order, config.geometry)
         )
         batches = (
             ranges

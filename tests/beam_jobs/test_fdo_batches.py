@@ -87,7 +87,7 @@ def test_range_offsets_number_good_records_in_file_order():
 
 def test_range_span_is_what_whole_batches_take_of_a_range():
     ranges = [RecordRange(0, "a", 0, 10), RecordRange(0, "a", 10, 14), RecordRange(1, "b", 0, 9)]
-    assumed = _batches.range_offsets([_batches.all_good(r) for r in ranges])
+    assumed = _batches.assumed_offsets(ranges)
     assert assumed == _batches.RangeOffsets({(0, 0): 0, (0, 10): 10, (1, 0): 14}, 23)
     # Batches of 8: good records [0, 16) make the whole batches, 16 on are the tail.
     assert _batches.range_span(assumed, (0, 0), 10, 8) == (0, 10)
