@@ -167,44 +167,47 @@ def _joined_parts(batch_and_parts: tuple[int, Iterable], batch_size: int):
     return batch, join_parts(batch, parts, batch_size)
 
 
-class _Redistribute(beam.PTransform):
-    """A fusion break that spreads the elements over the workers, keyed by `key`.
+class _Group(beam.PTransform):
+    """Groups the elements by `key(element)`; outputs the elements of `then(group)`.
 
-    A plain GroupByKey: the elements are few and small (files, ranges), so
-    Beam's `Reshuffle` (which also keeps timestamps and windows) only adds
-    steps to every run.
+    A plain GroupByKey: Beam's `Reshuffle` (which also keeps timestamps and
+    windows) or `ToList` (a combine) adds steps to every run.
     """
 
-    def __init__(self, key):
+    def __init__(self, key, then):
         super().__init__()
         self._key = key
+        self._then = then
 
     def expand(self, pcoll):
         return (
             pcoll
             | "Key" >> beam.Map(lambda element, key: (key(element), element), self._key)
             | "Group" >> beam.GroupByKey()
-            | "Values" >> beam.FlatMap(lambda key_values: key_values[1])
+            | "Then" >> beam.FlatMap(lambda key_values, then: then(key_values[1]), self._then)
         )
 
 
-class _Gather(beam.PTransform):
-    """All elements -> `fn(list of them)`, one element (none from no elements).
+def redistribute(key) -> _Group:
+    """A fusion break that spreads the elements (few and small) over the workers, by `key`."""
+    return _Group(key, _as_is)
 
-    A plain GroupByKey on one key: `ToList` and a `Map` add steps to every run.
-    """
 
-    def __init__(self, fn):
-        super().__init__()
-        self._fn = fn
+def _gather(fn) -> _Group:
+    """All elements -> one element, `fn(list of them)` (none from no elements)."""
+    return _Group(_one_key, functools.partial(_applied, fn))
 
-    def expand(self, pcoll):
-        return (
-            pcoll
-            | "Key" >> beam.Map(lambda element: (None, element))
-            | "Group" >> beam.GroupByKey()
-            | "Apply" >> beam.Map(lambda key_values, fn: fn(list(key_values[1])), self._fn)
-        )
+
+def _as_is(values):
+    return values
+
+
+def _one_key(_) -> None:
+    return None
+
+
+def _applied(fn, values) -> list:
+    return [fn(list(values))]
 
 
 class ReadGlobalBatches(beam.PTransform):
@@ -232,14 +235,14 @@ class ReadGlobalBatches(beam.PTransform):
         ranges = self._ranges(pbegin)
         side_inputs = {}
         if config.training_order is None:
-            assumed = ranges | "NumberRecords" >> _Gather(assumed_offsets)
+            assumed = ranges | "NumberRecords" >> _gather(assumed_offsets)
             side_inputs["assumed"] = beam.pvalue.AsSingleton(assumed)
         checked = ranges | "CheckRecords" >> beam.ParDo(
             _CheckRecordsFn(config), **side_inputs
         ).with_outputs(_DEAD_LETTERS, _MOMENTS, _RANGE_STATS, main="checks")
         if config.training_order is not None:
             return self._training_batches(ranges, checked)
-        offsets = checked.checks | "NumberRanges" >> _Gather(range_offsets)
+        offsets = checked.checks | "NumberRanges" >> _gather(range_offsets)
         settled = checked[_RANGE_STATS] | "SettleRanges" >> beam.ParDo(
             _SettleRangesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
         ).with_outputs(_FRAGMENTS, main="whole")
@@ -257,7 +260,7 @@ class ReadGlobalBatches(beam.PTransform):
 
     def _training_batches(self, ranges, checked):
         config = self._config
-        plan = checked.checks | "PlanTrainingBatches" >> _Gather(
+        plan = checked.checks | "PlanTrainingBatches" >> _gather(
             functools.partial(TrainingBatchPlan, config.training_order, config.geometry)
         )
         batches = (
@@ -282,9 +285,9 @@ class ReadGlobalBatches(beam.PTransform):
             pbegin
             | "Start" >> beam.Impulse()
             | "ListFiles" >> beam.FlatMap(lambda _, files: enumerate(files), self._files)
-            | "DistributeFiles" >> _Redistribute(lambda indexed_file: indexed_file[0])
+            | "DistributeFiles" >> redistribute(lambda indexed_file: indexed_file[0])
             | "SplitFiles" >> beam.FlatMap(_split, config.records_per_range)
-            | "DistributeRanges" >> _Redistribute(lambda record_range: record_range.key)
+            | "DistributeRanges" >> redistribute(lambda record_range: record_range.key)
         )
         return ranges
 
