@@ -440,7 +440,7 @@ class WriteFdoStatsFile(beam.PTransform):
 
 
 class _WriteShardFn(beam.DoFn):
-    """Writes a bundle's lines to a new file in `directory`; outputs its path."""
+    """Writes a bundle's dead letters to a new file in `directory`; outputs its path."""
 
     def __init__(self, directory: str):
         self._directory = directory
@@ -448,11 +448,11 @@ class _WriteShardFn(beam.DoFn):
     def start_bundle(self):
         self._path, self._file = None, None
 
-    def process(self, line: str):
+    def process(self, letter: dict):
         if self._file is None:
             self._path = FileSystems.join(self._directory, f"shard-{uuid.uuid4().hex}")
             self._file = FileSystems.create(self._path)
-        self._file.write(line.encode() + b"\n")
+        self._file.write(json.dumps(letter, sort_keys=True).encode() + b"\n")
 
     def finish_bundle(self):
         if self._file is not None:
@@ -493,11 +493,7 @@ class WriteDeadLetters(beam.PTransform):
     def expand(self, dead_letters):
         parent, name = posixpath.split(self._path)
         directory = FileSystems.join(parent, f".{name}-{uuid.uuid4().hex}")
-        shards = (
-            dead_letters
-            | "ToJson" >> beam.Map(json.dumps, sort_keys=True)
-            | "WriteShards" >> beam.ParDo(_WriteShardFn(directory))
-        )
+        shards = dead_letters | "WriteShards" >> beam.ParDo(_WriteShardFn(directory))
         return (
             dead_letters.pipeline
             | "Start" >> beam.Impulse()
