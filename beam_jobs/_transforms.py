@@ -153,8 +153,8 @@ class _PlaceRecordsFn(beam.DoFn):
         yield from batch_parts(rows, batches, keys, index)
 
 
-def _split(indexed_file: tuple[int, str], records_per_range: int) -> list[RecordRange]:
-    return split_file(*indexed_file, records_per_range)
+def _split(records_per_range: int, indexed_files: Iterable[tuple[int, str]]) -> list[RecordRange]:
+    return [r for file in indexed_files for r in split_file(*file, records_per_range)]
 
 
 def _joined(batch_and_fragments: tuple[int, Iterable], batch_size: int):
@@ -280,13 +280,16 @@ class ReadGlobalBatches(beam.PTransform):
     def _ranges(self, pbegin):
         config = self._config
         # Files, then ranges, are spread over the workers: counting the records
-        # of a TFRecord file reads it.
+        # of a TFRecord file reads it. The files are split where they land.
         ranges = (
             pbegin
             | "Start" >> beam.Impulse()
             | "ListFiles" >> beam.FlatMap(lambda _, files: enumerate(files), self._files)
-            | "DistributeFiles" >> redistribute(lambda indexed_file: indexed_file[0])
-            | "SplitFiles" >> beam.FlatMap(_split, config.records_per_range)
+            | "SplitFiles"
+            >> _Group(
+                lambda indexed_file: indexed_file[0],
+                functools.partial(_split, config.records_per_range),
+            )
             | "DistributeRanges" >> redistribute(lambda record_range: record_range.key)
         )
         return ranges
