@@ -47,7 +47,6 @@ from beam_jobs._batches import (
     check_records,
     join_fragments,
     range_offsets,
-    range_span,
     read_range,
     split_file,
 )
@@ -68,8 +67,8 @@ _RANGE_STATS = "range_stats"
 class _CheckRecordsFn(beam.DoFn):
     """A range -> `(range key, RangeCheck)`; its bad records as dead letters.
 
-    Given `assumed` offsets (file order: `all_good`), also `(range,
-    RangeStats)` under them (`_RANGE_STATS`).
+    Given `assumed` offsets (file order: `assumed_offsets`), also the bundle's
+    `RangeStats` under them, at its end (`_RANGE_STATS`).
     """
 
     def __init__(self, config: FdoJobConfig):
@@ -81,6 +80,11 @@ class _CheckRecordsFn(beam.DoFn):
     def setup(self):
         file_order = self._config.training_order is None
         self._range_stats = RangeStatsComputer(self._config) if file_order else None
+
+    def start_bundle(self):
+        self._stats = None
+        # The first range with a bad record, and the last range, of the bundle.
+        self._first_bad = self._last = None
 
     def process(self, record_range: RecordRange, assumed: RangeOffsets | None = None):
         records = read_range(record_range)
@@ -102,15 +106,33 @@ class _CheckRecordsFn(beam.DoFn):
         bad = np.array([index for index, _ in problems], np.int64)
         yield record_range.key, RangeCheck(len(records), bad)
         if assumed is not None:
-            stats = self._range_stats(record_range.key, rows, assumed)
-            yield beam.pvalue.TaggedOutput(_RANGE_STATS, (record_range, stats))
+            self._add(record_range, rows, bool(problems), assumed)
+
+    def _add(self, record_range: RecordRange, rows, has_bad: bool, assumed: RangeOffsets):
+        key, computer = record_range.key, self._range_stats
+        if has_bad:
+            self._first_bad = min(key, self._first_bad or key)
+        self._last = max(key, self._last or key)
+        self._stats = self._stats or computer.empty()
+        if self._first_bad is not None and self._first_bad < self._last:
+            # A range after a bad record moves: the bundle's stats will not stand.
+            self._stats = computer.without_stats(self._stats, record_range, rows.num_rows)
+        else:
+            self._stats = computer.add(self._stats, record_range, rows, assumed)
+
+    def finish_bundle(self):
+        if self._stats is not None:
+            stats = self._range_stats.compact(self._stats)
+            yield beam.pvalue.TaggedOutput(_RANGE_STATS, GlobalWindows.windowed_value(stats))
+            self._stats = None
 
 
 class _SettleRangesFn(beam.DoFn):
-    """`(range, RangeStats)` under assumed offsets -> the stats under `offsets`, the true ones.
+    """`RangeStats` under assumed offsets -> the stats under `offsets`, the true ones.
 
-    Outputs the accumulator of the range's whole batches, and its fragments
-    (`_FRAGMENTS`); a range whose span moved is read, checked and cut again.
+    Outputs the accumulator of the ranges' whole batches, and their fragments
+    (`_FRAGMENTS`); ranges whose stats do not stand are read, checked and cut
+    again.
     """
 
     def __init__(self, config: FdoJobConfig):
@@ -121,14 +143,15 @@ class _SettleRangesFn(beam.DoFn):
     def setup(self):
         self._range_stats = RangeStatsComputer(self._config)
 
-    def process(self, range_and_stats: tuple[RecordRange, RangeStats], offsets: RangeOffsets):
-        record_range, stats = range_and_stats
-        c = self._config
-        span = range_span(offsets, record_range.key, stats.good, c.geometry.global_batch_size)
-        if span != stats.span:
-            rows, _ = check_records(read_range(record_range), c.layout, c.vocabulary_sizes)
-            stats = self._range_stats(record_range.key, rows, offsets)
-        self._tail_records.inc(span[0] + stats.good - span[1])
+    def process(self, stats: RangeStats, offsets: RangeOffsets):
+        c, computer = self._config, self._range_stats
+        if not computer.holds(stats, offsets):
+            again = computer.empty()
+            for record_range, _, _ in stats.ranges:
+                rows, _ = check_records(read_range(record_range), c.layout, c.vocabulary_sizes)
+                again = computer.add(again, record_range, rows, offsets)
+            stats = computer.compact(again)
+        self._tail_records.inc(computer.tail(stats, offsets))
         self._batches.inc(stats.batches)
         for fragment in stats.fragments:
             yield beam.pvalue.TaggedOutput(_FRAGMENTS, fragment)

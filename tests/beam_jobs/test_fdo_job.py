@@ -178,33 +178,51 @@ def test_without_bad_records_every_range_is_read_once(synthetic, tmp_path, monke
     assert sorted(reads) == sorted(ranges)
 
 
-def test_ranges_after_bad_records_are_read_again(tmp_path, monkeypatch):
-    # File b's records 20 to 32 are bad: 127 good records, 3 batches of 32.
+def _files_bad_at_the_end(directory, records_b: int, bad_b: range) -> list[str]:
+    """File a: 100 good records; file b: `records_b`, those at `bad_b` bad."""
     bad = [record for record, _ in fdo_cases.BAD_RECORDS.values()]
-    records_b = [
-        bad[i % len(bad)] if 20 <= i <= 32 else fdo_cases.example(100 + i) for i in range(40)
+    records = [
+        bad[i % len(bad)] if i in bad_b else fdo_cases.example(100 + i) for i in range(records_b)
     ]
-    files = [
-        fdo_cases.write_records(
-            str(tmp_path / "a.array_record"), [fdo_cases.example(row) for row in range(100)]
-        ),
-        fdo_cases.write_records(str(tmp_path / "b.array_record"), records_b),
+    a = [fdo_cases.example(row) for row in range(100)]
+    return [
+        fdo_cases.write_records(str(directory / "a.array_record"), a),
+        fdo_cases.write_records(str(directory / "b.array_record"), records),
     ]
+
+
+@pytest.mark.parametrize(
+    "records_b, bad_b, batches, read_once",
+    [
+        # 136 good records: the last range, [132, 140), holds only tail records
+        # either way, so the first pass's stats stand.
+        (40, range(36, 40), 4, True),
+        # 127 good records: 3 batches, not 4; as if all were good, a's last
+        # range (good records [96, 100)) and b's would be in batch 3.
+        (30, range(27, 30), 3, False),
+        # The ranges after file b's first bad one start earlier than assumed.
+        (40, range(20, 33), 3, False),
+    ],
+)
+def test_bad_records_at_the_end(tmp_path, monkeypatch, records_b, bad_b, batches, read_once):
+    files = _files_bad_at_the_end(tmp_path, records_b, bad_b)
     config = fdo_cases.job_config(processes=2, records_per_range=16)
     expected, dead = fdo_cases.reference(files, config)
-    assert len(dead) == 13
+    assert len(dead) == len(bad_b)
     reads = _count_range_reads(monkeypatch)
     result = beam_jobs.run_fdo_job(config, files, str(tmp_path / "fdo"))
 
     assert fdo_cases.document(result.stats) == expected
-    assert result.counters == {"records": 140, "bad_records": 13, "tail_records": 31, "batches": 3}
-    # As if all were good, a's last range (good records [96, 100)) and b's
-    # first ones would be in batch 3; b's last range would start at 132, not
-    # 120. The ranges before keep what the first read found.
-    again = [(0, 96), (1, 0), (1, 16), (1, 32)]
-    assert sorted(r.key for r in reads) == sorted(
-        [(0, start) for start in range(0, 100, 16)] + [(1, start) for start in (0, 16, 32)] + again
-    )
+    good = 100 + records_b - len(bad_b)
+    assert result.counters == {
+        "records": 100 + records_b,
+        "bad_records": len(bad_b),
+        "tail_records": good - batches * fdo_cases.BATCH,
+        "batches": batches,
+    }
+    ranges = [r for i, path in enumerate(files) for r in _batches.split_file(i, path, 16)]
+    assert set(reads) == set(ranges)
+    assert (len(reads) == len(ranges)) == read_once
 
 
 @pytest.mark.parametrize("order", [None, beam_jobs.TrainingOrder(shuffle_seed=3, epochs=2)])
