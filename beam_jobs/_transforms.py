@@ -43,6 +43,7 @@ from beam_jobs._batches import (
     RangeCheck,
     RangeOffsets,
     RecordRange,
+    SparseRows,
     assumed_offsets,
     check_records,
     join_fragments,
@@ -108,17 +109,18 @@ class _CheckRecordsFn(beam.DoFn):
         if assumed is not None:
             self._add(record_range, rows, bool(problems), assumed)
 
-    def _add(self, record_range: RecordRange, rows, has_bad: bool, assumed: RangeOffsets):
+    def _add(self, record_range: RecordRange, rows: SparseRows, bad: bool, assumed: RangeOffsets):
         key, computer = record_range.key, self._range_stats
-        if has_bad:
-            self._first_bad = min(key, self._first_bad or key)
-        self._last = max(key, self._last or key)
-        self._stats = self._stats or computer.empty()
+        if bad and (self._first_bad is None or key < self._first_bad):
+            self._first_bad = key
+        if self._last is None or key > self._last:
+            self._last = key
+        stats = computer.empty() if self._stats is None else self._stats
         if self._first_bad is not None and self._first_bad < self._last:
             # A range after a bad record moves: the bundle's stats will not stand.
-            self._stats = computer.without_stats(self._stats, record_range, rows.num_rows)
+            self._stats = computer.without_stats(stats, record_range, rows.num_rows)
         else:
-            self._stats = computer.add(self._stats, record_range, rows, assumed)
+            self._stats = computer.add(stats, record_range, rows, assumed)
 
     def finish_bundle(self):
         if self._stats is not None:
@@ -132,7 +134,7 @@ class _SettleRangesFn(beam.DoFn):
 
     Outputs the accumulator of the ranges' whole batches, and their fragments
     (`_FRAGMENTS`); ranges whose stats do not stand are read, checked and cut
-    again.
+    again, as many tasks as the checking pass had bundles.
     """
 
     def __init__(self, config: FdoJobConfig):
