@@ -236,7 +236,7 @@ def _applied(fn, values) -> list:
 
 
 class ReadGlobalBatches(beam.PTransform):
-    """Record files -> `(batch number, SparseRows)` for every whole global batch.
+    """Record files -> `(batch number, SparseRows)` for every whole global batch (or its stats).
 
     See `beam_jobs._training_batches` (with a training order) and
     `beam_jobs._batches` (without) for which batches these are. The output
@@ -246,8 +246,8 @@ class ReadGlobalBatches(beam.PTransform):
     With a training order, one part, "batches", and "batch_order" (one
     `embedding.FdoBatchOrder`). Without, "joined_batches" (joined from
     fragments of several ranges) and, for the batches within one range,
-    their stats already: "whole_batch_stats", an `FdoStatsFn` accumulator
-    per range (`beam_jobs._range_stats`).
+    their stats already: "whole_batch_stats", `FdoStatsFn` accumulators, one
+    per bundle of ranges the records were checked in (`beam_jobs._range_stats`).
     """
 
     def __init__(self, files: list[str], config: FdoJobConfig):
