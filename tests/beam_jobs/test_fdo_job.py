@@ -204,13 +204,18 @@ def _files_bad_at_the_end(directory, records_b: int, bad_b: range) -> list[str]:
         (40, range(20, 33), 3, False),
     ],
 )
-def test_bad_records_at_the_end(tmp_path, monkeypatch, records_b, bad_b, batches, read_once):
+@pytest.mark.parametrize(
+    "pipeline_args", [[], ["--direct_num_workers=2", "--direct_running_mode=multi_threading"]]
+)
+def test_bad_records_at_the_end(
+    tmp_path, monkeypatch, records_b, bad_b, batches, read_once, pipeline_args
+):
     files = _files_bad_at_the_end(tmp_path, records_b, bad_b)
     config = fdo_cases.job_config(processes=2, records_per_range=16)
     expected, dead = fdo_cases.reference(files, config)
     assert len(dead) == len(bad_b)
     reads = _count_range_reads(monkeypatch)
-    result = beam_jobs.run_fdo_job(config, files, str(tmp_path / "fdo"))
+    result = beam_jobs.run_fdo_job(config, files, str(tmp_path / "fdo"), pipeline_args)
 
     assert fdo_cases.document(result.stats) == expected
     good = 100 + records_b - len(bad_b)
