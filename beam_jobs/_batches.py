@@ -14,9 +14,9 @@ batch).
 
 To read the files in parallel, each file is cut into ranges of records. A
 range's good records start at the number of good records of all earlier
-ranges (a first pass counts them); cut at batch boundaries, a range yields
-whole batches and, at its two ends, fragments of batches that other ranges
-complete. Fragments are joined by batch number in record order.
+ranges (known once every range is checked); cut at batch boundaries, a range
+yields whole batches and, at its two ends, fragments of batches that other
+ranges complete. Fragments are joined by batch number in record order.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pipelines._tensorflow import tf
 
 _ARRAY_RECORD_SUFFIX = ".array_record"
 _TFRECORD_READ_BATCH = 1024
+_NO_RECORDS = np.zeros(0, np.int64)
 
 
 class RecordRange(NamedTuple):
@@ -253,7 +254,7 @@ def _first_bad(ragged: RaggedIds, bad: np.ndarray) -> list[tuple[int, object]]:
 
 
 class RangeCheck(NamedTuple):
-    """What the first pass learns of a range.
+    """What checking a range's records learns of it.
 
     Attributes:
       records: records in the range.
@@ -287,6 +288,27 @@ def range_offsets(checks: Iterable[tuple[tuple[int, int], RangeCheck]]) -> Range
         first[key] = total
         total += check.good
     return RangeOffsets(first, total)
+
+
+def assumed_offsets(ranges: Iterable[RecordRange]) -> RangeOffsets:
+    """The numbering of the good records of `ranges` if all their records were good."""
+    return range_offsets((r.key, RangeCheck(r.stop - r.start, _NO_RECORDS)) for r in ranges)
+
+
+def range_span(
+    offsets: RangeOffsets, key: tuple[int, int], good: int, batch_size: int
+) -> tuple[int, int]:
+    """Numbers `[first, stop)` of a range's good records that whole batches take.
+
+    Args:
+      offsets: the numbering of the good records of all ranges.
+      key: the range's `RecordRange.key`.
+      good: its good records; those numbered `stop` or more fall in the
+        dropped partial last batch.
+    """
+    first = offsets.first[key]
+    end = offsets.total // batch_size * batch_size
+    return first, max(first, min(first + good, end))
 
 
 def batch_fragments(

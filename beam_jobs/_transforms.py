@@ -7,7 +7,8 @@ ReadGlobalBatches forms training's batches when the job knows training's
 order (`FdoJobConfig.training_order`): every record goes to its batch of
 every epoch through one GroupByKey (`_training_batches`). Otherwise it forms
 the batches of the good records in file order: ranges cut at batch
-boundaries, fragments joined (`_batches`).
+boundaries, fragments joined (`_batches`), the batches within one range
+folded into stats as the range is checked (`_range_stats`).
 
 Counters (Beam metrics, namespace `METRICS_NAMESPACE`): `records` read,
 `bad_records` sent to the dead letters, `tail_records` of the dropped last
@@ -23,6 +24,7 @@ value), and dead letters are written in two steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import posixpath
 import shutil
@@ -41,38 +43,54 @@ from beam_jobs._batches import (
     RangeCheck,
     RangeOffsets,
     RecordRange,
-    batch_fragments,
+    SparseRows,
+    assumed_offsets,
     check_records,
     join_fragments,
     range_offsets,
     read_range,
     split_file,
 )
-from beam_jobs._combiners import FdoStatsFn, MergeAccumulatorsFn
+from beam_jobs._combiners import MergeAccumulatorsFn
 from beam_jobs._dense_moments import DenseMomentsFn, by_key, moments_of
 from beam_jobs._job_config import FdoJobConfig
+from beam_jobs._range_stats import RangeStats, RangeStatsComputer, fdo_stats_fn
 from beam_jobs._training_batches import TrainingBatchPlan, batch_parts, join_parts
 
 METRICS_NAMESPACE = "sparseflow.fdo"
 _DEAD_LETTERS = "dead_letters"
-BATCH_PARTS = ("batches", "whole_batches", "joined_batches")
+BATCH_PARTS = ("batches", "joined_batches")
 _FRAGMENTS = "fragments"
 _MOMENTS = "dense_moments"
+_RANGE_STATS = "range_stats"
 
 
 class _CheckRecordsFn(beam.DoFn):
-    """A range -> `(range key, RangeCheck)`; its bad records as dead letters."""
+    """A range -> `(range key, RangeCheck)`; its bad records as dead letters.
+
+    Given `assumed` offsets (file order: `assumed_offsets`), also the bundle's
+    `RangeStats` under them, at its end (`_RANGE_STATS`).
+    """
 
     def __init__(self, config: FdoJobConfig):
-        self._layout = config.layout
-        self._vocabulary_sizes = config.vocabulary_sizes
+        self._config = config
         self._moments = config.moments_schema is not None
         self._records = Metrics.counter(METRICS_NAMESPACE, "records")
         self._bad_records = Metrics.counter(METRICS_NAMESPACE, "bad_records")
 
-    def process(self, record_range: RecordRange):
+    def setup(self):
+        file_order = self._config.training_order is None
+        self._range_stats = RangeStatsComputer(self._config) if file_order else None
+
+    def start_bundle(self):
+        self._stats = None
+        # The first range with a bad record, and the last range, of the bundle.
+        self._first_bad = self._last = None
+
+    def process(self, record_range: RecordRange, assumed: RangeOffsets | None = None):
         records = read_range(record_range)
-        rows, problems = check_records(records, self._layout, self._vocabulary_sizes)
+        c = self._config
+        rows, problems = check_records(records, c.layout, c.vocabulary_sizes)
         self._records.inc(len(records))
         self._bad_records.inc(len(problems))
         for index, reason in problems:
@@ -88,31 +106,59 @@ class _CheckRecordsFn(beam.DoFn):
             yield beam.pvalue.TaggedOutput(_MOMENTS, moments_of(rows.dense))
         bad = np.array([index for index, _ in problems], np.int64)
         yield record_range.key, RangeCheck(len(records), bad)
+        if assumed is not None:
+            self._add(record_range, rows, bool(problems), assumed)
+
+    def _add(self, record_range: RecordRange, rows: SparseRows, bad: bool, assumed: RangeOffsets):
+        key, computer = record_range.key, self._range_stats
+        if bad and (self._first_bad is None or key < self._first_bad):
+            self._first_bad = key
+        if self._last is None or key > self._last:
+            self._last = key
+        stats = computer.empty() if self._stats is None else self._stats
+        if self._first_bad is not None and self._first_bad < self._last:
+            # A range after a bad record moves: the bundle's stats will not stand.
+            self._stats = computer.without_stats(stats, record_range, rows.num_rows)
+        else:
+            self._stats = computer.add(stats, record_range, rows, assumed)
+
+    def finish_bundle(self):
+        if self._stats is not None:
+            stats = self._range_stats.compact(self._stats)
+            yield beam.pvalue.TaggedOutput(_RANGE_STATS, GlobalWindows.windowed_value(stats))
+            self._stats = None
 
 
-class _CutIntoBatchesFn(beam.DoFn):
-    """A range -> its whole batches `(batch, rows)`, and fragments of the others."""
+class _SettleRangesFn(beam.DoFn):
+    """`RangeStats` under assumed offsets -> the stats under `offsets`, the true ones.
+
+    Outputs the accumulator of the ranges' whole batches, and their fragments
+    (`_FRAGMENTS`); ranges whose stats do not stand are read, checked and cut
+    again, as many tasks as the checking pass had bundles.
+    """
 
     def __init__(self, config: FdoJobConfig):
-        self._layout = config.layout
-        self._vocabulary_sizes = config.vocabulary_sizes
-        self._batch_size = config.geometry.global_batch_size
+        self._config = config
         self._tail_records = Metrics.counter(METRICS_NAMESPACE, "tail_records")
+        self._batches = Metrics.counter(METRICS_NAMESPACE, "batches")
 
-    def process(self, record_range: RecordRange, offsets: RangeOffsets):
-        # The range is read and checked again rather than kept from the first
-        # pass: keeping it would hold the whole dataset between the passes (in
-        # memory on the in-process runner, in the shuffle on the others).
-        rows, _ = check_records(read_range(record_range), self._layout, self._vocabulary_sizes)
-        first = offsets.first[record_range.key]
-        batches = offsets.total // self._batch_size
-        end = batches * self._batch_size
-        self._tail_records.inc(max(0, first + rows.num_rows - max(first, end)))
-        for batch, offset, fragment in batch_fragments(rows, first, self._batch_size, batches):
-            if fragment.num_rows == self._batch_size:
-                yield batch, fragment
-            else:
-                yield beam.pvalue.TaggedOutput(_FRAGMENTS, (batch, (offset, fragment)))
+    def setup(self):
+        self._range_stats = RangeStatsComputer(self._config)
+
+    def process(self, stats: RangeStats, offsets: RangeOffsets):
+        c, computer = self._config, self._range_stats
+        if not computer.holds(stats, offsets):
+            again = computer.empty()
+            for record_range, _, _ in stats.ranges:
+                rows, _ = check_records(read_range(record_range), c.layout, c.vocabulary_sizes)
+                again = computer.add(again, record_range, rows, offsets)
+            stats = computer.compact(again)
+        self._tail_records.inc(computer.tail(stats, offsets))
+        self._batches.inc(stats.batches)
+        for fragment in stats.fragments:
+            yield beam.pvalue.TaggedOutput(_FRAGMENTS, fragment)
+        if stats.batches:
+            yield stats.accumulator
 
 
 class _PlaceRecordsFn(beam.DoFn):
@@ -132,8 +178,8 @@ class _PlaceRecordsFn(beam.DoFn):
         yield from batch_parts(rows, batches, keys, index)
 
 
-def _split(indexed_file: tuple[int, str], records_per_range: int) -> list[RecordRange]:
-    return split_file(*indexed_file, records_per_range)
+def _split(records_per_range: int, indexed_files: Iterable[tuple[int, str]]) -> list[RecordRange]:
+    return [r for file in indexed_files for r in split_file(*file, records_per_range)]
 
 
 def _joined(batch_and_fragments: tuple[int, Iterable], batch_size: int):
@@ -146,40 +192,62 @@ def _joined_parts(batch_and_parts: tuple[int, Iterable], batch_size: int):
     return batch, join_parts(batch, parts, batch_size)
 
 
-class _Redistribute(beam.PTransform):
-    """A fusion break that spreads the elements over the workers, keyed by `key`.
+class _Group(beam.PTransform):
+    """Groups the elements by `key(element)`; outputs the elements of `then(group)`.
 
-    A plain GroupByKey: the elements are few and small (files, ranges), so
-    Beam's `Reshuffle` (which also keeps timestamps and windows) only adds
-    steps to every run.
+    A plain GroupByKey: Beam's `Reshuffle` (which also keeps timestamps and
+    windows) or `ToList` (a combine) adds steps to every run.
     """
 
-    def __init__(self, key):
+    def __init__(self, key, then):
         super().__init__()
         self._key = key
+        self._then = then
 
     def expand(self, pcoll):
         return (
             pcoll
             | "Key" >> beam.Map(lambda element, key: (key(element), element), self._key)
             | "Group" >> beam.GroupByKey()
-            | "Values" >> beam.FlatMap(lambda key_values: key_values[1])
+            | "Then" >> beam.FlatMap(lambda key_values, then: then(key_values[1]), self._then)
         )
 
 
+def redistribute(key) -> _Group:
+    """A fusion break that spreads the elements (few and small) over the workers, by `key`."""
+    return _Group(key, _as_is)
+
+
+def _gather(fn) -> _Group:
+    """All elements -> one element, `fn(list of them)` (none from no elements)."""
+    return _Group(_one_key, functools.partial(_applied, fn))
+
+
+def _as_is(values):
+    return values
+
+
+def _one_key(_) -> None:
+    return None
+
+
+def _applied(fn, values) -> list:
+    return [fn(list(values))]
+
+
 class ReadGlobalBatches(beam.PTransform):
-    """Record files -> `(batch number, SparseRows)` for every whole global batch.
+    """Record files -> `(batch number, SparseRows)` for every whole global batch (or its stats).
 
     See `beam_jobs._training_batches` (with a training order) and
     `beam_jobs._batches` (without) for which batches these are. The output
     is a dict: "dead_letters" (`{"file", "record_index", "reason"}` per bad
     record), "dense_moments" (`Moments` per range, with
-    `config.moments_schema` only) and the batches in parts (`BATCH_PARTS`). With a training order,
-    one part, "batches", and "batch_order" (one `embedding.FdoBatchOrder`).
-    Without, "whole_batches" (read within one range) and "joined_batches"
-    (joined from fragments of several ranges), left apart so that the
-    per-batch work fuses with the reading: the in-process runner would hold
-    a Flatten's inputs in memory.
+    `config.moments_schema` only) and the batches in parts (`BATCH_PARTS`).
+    With a training order, one part, "batches", and "batch_order" (one
+    `embedding.FdoBatchOrder`). Without, "joined_batches" (joined from
+    fragments of several ranges) and, for the batches within one range,
+    their stats already: "whole_batch_stats", `FdoStatsFn` accumulators, one
+    per bundle of ranges the records were checked in (`beam_jobs._range_stats`).
     """
 
     def __init__(self, files: list[str], config: FdoJobConfig):
@@ -190,34 +258,35 @@ class ReadGlobalBatches(beam.PTransform):
     def expand(self, pbegin):
         config = self._config
         ranges = self._ranges(pbegin)
-        checked = ranges | "CheckRecords" >> beam.ParDo(_CheckRecordsFn(config)).with_outputs(
-            _DEAD_LETTERS, _MOMENTS, main="checks"
-        )
-        checks = checked.checks | "GatherChecks" >> beam.combiners.ToList().without_defaults()
+        side_inputs = {}
+        if config.training_order is None:
+            assumed = ranges | "NumberRecords" >> _gather(assumed_offsets)
+            side_inputs["assumed"] = beam.pvalue.AsSingleton(assumed)
+        checked = ranges | "CheckRecords" >> beam.ParDo(
+            _CheckRecordsFn(config), **side_inputs
+        ).with_outputs(_DEAD_LETTERS, _MOMENTS, _RANGE_STATS, main="checks")
         if config.training_order is not None:
-            return self._training_batches(ranges, checks, checked)
-        offsets = checks | "NumberRanges" >> beam.Map(range_offsets)
-        cut = ranges | "CutIntoBatches" >> beam.ParDo(
-            _CutIntoBatchesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
+            return self._training_batches(ranges, checked)
+        offsets = checked.checks | "NumberRanges" >> _gather(range_offsets)
+        settled = checked[_RANGE_STATS] | "SettleRanges" >> beam.ParDo(
+            _SettleRangesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
         ).with_outputs(_FRAGMENTS, main="whole")
         joined = (
-            cut[_FRAGMENTS]
+            settled[_FRAGMENTS]
             | "GroupFragments" >> beam.GroupByKey()
             | "JoinFragments" >> beam.Map(_joined, config.geometry.global_batch_size)
         )
         return {
-            "whole_batches": cut.whole,
+            "whole_batch_stats": settled.whole,
             "joined_batches": joined,
             "dead_letters": checked[_DEAD_LETTERS],
             "dense_moments": checked[_MOMENTS],
         }
 
-    def _training_batches(self, ranges, checks, checked):
+    def _training_batches(self, ranges, checked):
         config = self._config
-        plan = checks | "PlanTrainingBatches" >> beam.Map(
-            lambda checks, order, geometry: TrainingBatchPlan(order, geometry, checks),
-            config.training_order,
-            config.geometry,
+        plan = checked.checks | "PlanTrainingBatches" >> _gather(
+            functools.partial(TrainingBatchPlan, config.training_order, config.geometry)
         )
         batches = (
             ranges
@@ -236,14 +305,17 @@ class ReadGlobalBatches(beam.PTransform):
     def _ranges(self, pbegin):
         config = self._config
         # Files, then ranges, are spread over the workers: counting the records
-        # of a TFRecord file reads it.
+        # of a TFRecord file reads it. The files are split where they land.
         ranges = (
             pbegin
             | "Start" >> beam.Impulse()
             | "ListFiles" >> beam.FlatMap(lambda _, files: enumerate(files), self._files)
-            | "DistributeFiles" >> _Redistribute(lambda indexed_file: indexed_file[0])
-            | "SplitFiles" >> beam.FlatMap(_split, config.records_per_range)
-            | "DistributeRanges" >> _Redistribute(lambda record_range: record_range.key)
+            | "SplitFiles"
+            >> _Group(
+                lambda indexed_file: indexed_file[0],
+                functools.partial(_split, config.records_per_range),
+            )
+            | "DistributeRanges" >> redistribute(lambda record_range: record_range.key)
         )
         return ranges
 
@@ -299,8 +371,10 @@ class _AccumulateFn(beam.DoFn):
 class CombineFdoStats(beam.PTransform):
     """`BatchStats` -> one `embedding.FdoStats`, none when there are no batches.
 
-    The input is one PCollection, or a tuple of them (parts of the batches):
-    each part is folded per bundle into accumulators, and the few
+    The input is one PCollection, or a tuple of them (parts of the batches),
+    or a dict of such: "batch_stats" (`BatchStats`) and "accumulators"
+    (`FdoStatsFn` accumulators of batches folded already). Each part of
+    `BatchStats` is folded per bundle into accumulators, and the few
     accumulators are merged (no Flatten of the per-batch stats).
     """
 
@@ -308,28 +382,31 @@ class CombineFdoStats(beam.PTransform):
         super().__init__()
         self._config = config
 
-    def expand(self, batch_stats):
-        c = self._config
-        fn = FdoStatsFn(
-            geometry=c.geometry,
-            config_hash=c.config_hash,
-            top_k=c.top_k,
-            layout=None if c.fdo_layout is None else c.fdo_layout.entries,
-        )
-        parts = batch_stats if isinstance(batch_stats, tuple) else (batch_stats,)
+    def expand(self, inputs):
+        fn = fdo_stats_fn(self._config)
+        if not isinstance(inputs, dict):
+            inputs = {"batch_stats": inputs}
         accumulators = [
-            part | f"Accumulate{i}" >> beam.ParDo(_AccumulateFn(fn)) for i, part in enumerate(parts)
+            part | f"Accumulate{i}" >> beam.ParDo(_AccumulateFn(fn))
+            for i, part in enumerate(_parts(inputs.get("batch_stats", ())))
         ]
         return (
-            accumulators
+            [*accumulators, *_parts(inputs.get("accumulators", ()))]
             | "GatherAccumulators" >> beam.Flatten()
             | "Merge" >> beam.CombineGlobally(MergeAccumulatorsFn(fn)).without_defaults()
         )
 
 
+def _parts(pcolls) -> tuple:
+    return pcolls if isinstance(pcolls, tuple) else (pcolls,)
+
+
 class ComputeFdoStats(beam.PTransform):
     """Record files -> {"stats": one `embedding.FdoStats`, "dead_letters": dicts,
-    "dense_moments": the moments file's content (with `config.moments_schema` only)}."""
+    "dense_moments": the moments file's content (with `config.moments_schema` only)}.
+
+    Without `config.moments_schema`, there is no "dense_moments", nor its steps.
+    """
 
     def __init__(self, files: list[str], config: FdoJobConfig):
         super().__init__()
@@ -343,18 +420,23 @@ class ComputeFdoStats(beam.PTransform):
             for part in BATCH_PARTS
             if part in read
         )
-        stats = batch_stats | "CombineFdoStats" >> CombineFdoStats(self._config)
+        stats = {"batch_stats": batch_stats}
+        if "whole_batch_stats" in read:
+            stats["accumulators"] = read["whole_batch_stats"]
+        stats = stats | "CombineFdoStats" >> CombineFdoStats(self._config)
         if "batch_order" in read:
             stats = stats | "WithBatchOrder" >> beam.Map(
                 lambda stats, order: dataclasses.replace(stats, batch_order=order),
                 beam.pvalue.AsSingleton(read["batch_order"]),
             )
-        moments = (
-            read["dense_moments"]
-            | "CombineDenseMoments" >> beam.CombineGlobally(DenseMomentsFn()).without_defaults()
-            | "DenseMomentsByKey" >> beam.Map(by_key, self._config.moments_schema)
-        )
-        return {"stats": stats, "dead_letters": read["dead_letters"], "dense_moments": moments}
+        outputs = {"stats": stats, "dead_letters": read["dead_letters"]}
+        if self._config.moments_schema is not None:
+            outputs["dense_moments"] = (
+                read["dense_moments"]
+                | "CombineDenseMoments" >> beam.CombineGlobally(DenseMomentsFn()).without_defaults()
+                | "DenseMomentsByKey" >> beam.Map(by_key, self._config.moments_schema)
+            )
+        return outputs
 
 
 def _write_atomically(stats: embedding.FdoStats, path: str) -> None:
@@ -386,7 +468,7 @@ class WriteFdoStatsFile(beam.PTransform):
 
 
 class _WriteShardFn(beam.DoFn):
-    """Writes a bundle's lines to a new file in `directory`; outputs its path."""
+    """Writes a bundle's dead letters to a new file in `directory`; outputs its path."""
 
     def __init__(self, directory: str):
         self._directory = directory
@@ -394,11 +476,11 @@ class _WriteShardFn(beam.DoFn):
     def start_bundle(self):
         self._path, self._file = None, None
 
-    def process(self, line: str):
+    def process(self, letter: dict):
         if self._file is None:
             self._path = FileSystems.join(self._directory, f"shard-{uuid.uuid4().hex}")
             self._file = FileSystems.create(self._path)
-        self._file.write(line.encode() + b"\n")
+        self._file.write(json.dumps(letter, sort_keys=True).encode() + b"\n")
 
     def finish_bundle(self):
         if self._file is not None:
@@ -439,11 +521,7 @@ class WriteDeadLetters(beam.PTransform):
     def expand(self, dead_letters):
         parent, name = posixpath.split(self._path)
         directory = FileSystems.join(parent, f".{name}-{uuid.uuid4().hex}")
-        shards = (
-            dead_letters
-            | "ToJson" >> beam.Map(json.dumps, sort_keys=True)
-            | "WriteShards" >> beam.ParDo(_WriteShardFn(directory))
-        )
+        shards = dead_letters | "WriteShards" >> beam.ParDo(_WriteShardFn(directory))
         return (
             dead_letters.pipeline
             | "Start" >> beam.Impulse()

@@ -140,8 +140,9 @@ def run_fdo_job(
     outputs = pipeline | "FdoStats" >> ComputeFdoStats(files, config)
     _ = outputs["stats"] | "WriteStats" >> WriteFdoStatsFile(stats_path)
     _ = outputs["dead_letters"] | "WriteDeadLetters" >> WriteDeadLetters(dead_letters_path)
-    moments_path = FileSystems.join(out_dir, DENSE_MOMENTS_NAME)
-    _ = outputs["dense_moments"] | "WriteDenseMoments" >> beam.Map(write_json, moments_path)
+    if "dense_moments" in outputs:
+        moments_path = FileSystems.join(out_dir, DENSE_MOMENTS_NAME)
+        _ = outputs["dense_moments"] | "WriteDenseMoments" >> beam.Map(write_json, moments_path)
     start = time.perf_counter()
     result = pipeline.run()
     result.wait_until_finish()

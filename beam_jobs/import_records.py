@@ -55,7 +55,7 @@ from beam_jobs._import_sources import (
 from beam_jobs._import_summary import SummaryFn, write_summary
 from beam_jobs._lines import BadLine, LineParser
 from beam_jobs._shard_plan import Piece, plan_shards
-from beam_jobs._transforms import WriteDeadLetters, _Redistribute
+from beam_jobs._transforms import WriteDeadLetters, redistribute
 from beam_jobs.fdo_stats import DEAD_LETTERS_NAME, make_pipeline, pipeline_counters
 
 _log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class ImportRecords(beam.PTransform):
             pbegin
             | "Start" >> beam.Impulse()
             | "ListRanges" >> beam.FlatMap(lambda _, ranges: ranges, ranges)
-            | "DistributeRanges" >> _Redistribute(lambda r: r.key)
+            | "DistributeRanges" >> redistribute(lambda r: r.key)
             | "CountRows"
             >> beam.Map(lambda r, c: (r.key, count_rows(r, c.input_format, c.header)), config)
             | "GatherCounts" >> beam.combiners.ToList().without_defaults()
@@ -205,7 +205,7 @@ class ImportRecords(beam.PTransform):
         written = (
             counts
             | "PlanShards" >> beam.FlatMap(plan_shards, ranges, config.shards, config.header)
-            | "DistributeShards" >> _Redistribute(lambda plan: plan[0])
+            | "DistributeShards" >> redistribute(lambda plan: plan[0])
             | "WriteShards"
             >> beam.ParDo(_WriteShardFn(config, paths)).with_outputs(_DEAD_LETTERS, main="reports")
         )

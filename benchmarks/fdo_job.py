@@ -6,8 +6,9 @@ partitions, global batch 512): read, parse and check the records, form the
 global batches, lay every batch out with the online preprocessing, combine.
 The loop reads the files once, in order, in one process; the Beam job
 (`beam_jobs.run_fdo_job`, in process on the FnApiRunner, one worker) reads them in
-ranges, twice (a counting pass numbers the good records), and joins batches
-that straddle ranges. The same job also runs on a local Dask cluster
+ranges, once (the data has no bad records, so the numbering of the good
+records that the checking pass assumes holds; see `beam_jobs._range_stats`),
+and joins batches that straddle ranges. The same job also runs on a local Dask cluster
 (`beam_jobs.dask_runner`) of each of `--dask-workers` worker processes (one
 thread each, 127.0.0.1): the cluster is started, and its workers warmed up,
 before the timed runs. Every result is checked to equal the loop's.

@@ -85,6 +85,19 @@ def test_range_offsets_number_good_records_in_file_order():
     assert offsets.total == 21
 
 
+def test_range_span_is_what_whole_batches_take_of_a_range():
+    ranges = [RecordRange(0, "a", 0, 10), RecordRange(0, "a", 10, 14), RecordRange(1, "b", 0, 9)]
+    assumed = _batches.assumed_offsets(ranges)
+    assert assumed == _batches.RangeOffsets({(0, 0): 0, (0, 10): 10, (1, 0): 14}, 23)
+    # Batches of 8: good records [0, 16) make the whole batches, 16 on are the tail.
+    assert _batches.range_span(assumed, (0, 0), 10, 8) == (0, 10)
+    assert _batches.range_span(assumed, (0, 10), 4, 8) == (10, 14)
+    assert _batches.range_span(assumed, (0, 10), 3, 8) == (10, 13)
+    assert _batches.range_span(assumed, (1, 0), 9, 8) == (14, 16)
+    # A whole batch fewer: the second range gives none of its records.
+    assert _batches.range_span(assumed._replace(total=15), (0, 10), 4, 8) == (10, 10)
+
+
 def test_host_rows_are_consecutive_shares():
     rows, lists = _random_rows(np.random.default_rng(1), 12)
     assert [_as_lists(_batches.host_rows(rows, h, 3)) for h in range(3)] == [

@@ -18,8 +18,10 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
 
 import beam_jobs
+import beam_jobs._transforms
 import embedding
 import pipelines
+from beam_jobs import _batches
 
 SYNTHETIC_EXAMPLES = 400
 
@@ -150,6 +152,82 @@ def test_run_fdo_job_in_process_and_in_worker_processes(synthetic, tmp_path, pip
     assert sorted(os.listdir(out)) == sorted(
         [os.path.basename(result.stats_path), beam_jobs.DEAD_LETTERS_NAME]
     )
+
+
+def _count_range_reads(monkeypatch) -> list:
+    """The ranges the in-process job reads (`read_range` calls), as they happen."""
+    reads = []
+
+    def read_range(record_range):
+        reads.append(record_range)
+        return _batches.read_range(record_range)
+
+    monkeypatch.setattr(beam_jobs._transforms, "read_range", read_range)
+    return reads
+
+
+def test_without_bad_records_every_range_is_read_once(synthetic, tmp_path, monkeypatch):
+    files = synthetic["arrayrecord"]
+    config = fdo_cases.job_config(records_per_range=50)
+    expected, _ = fdo_cases.reference(files, config)
+    reads = _count_range_reads(monkeypatch)
+    result = beam_jobs.run_fdo_job(config, files, str(tmp_path / "fdo"))
+
+    assert fdo_cases.document(result.stats) == expected
+    ranges = [r for i, path in enumerate(files) for r in _batches.split_file(i, path, 50)]
+    assert sorted(reads) == sorted(ranges)
+
+
+def _files_bad_at_the_end(directory, records_b: int, bad_b: range) -> list[str]:
+    """File a: 100 good records; file b: `records_b`, those at `bad_b` bad."""
+    bad = [record for record, _ in fdo_cases.BAD_RECORDS.values()]
+    records = [
+        bad[i % len(bad)] if i in bad_b else fdo_cases.example(100 + i) for i in range(records_b)
+    ]
+    a = [fdo_cases.example(row) for row in range(100)]
+    return [
+        fdo_cases.write_records(str(directory / "a.array_record"), a),
+        fdo_cases.write_records(str(directory / "b.array_record"), records),
+    ]
+
+
+@pytest.mark.parametrize(
+    "records_b, bad_b, batches, read_once",
+    [
+        # 136 good records: the last range, [132, 140), holds only tail records
+        # either way, so the first pass's stats stand.
+        (40, range(36, 40), 4, True),
+        # 127 good records: 3 batches, not 4; as if all were good, a's last
+        # range (good records [96, 100)) and b's would be in batch 3.
+        (30, range(27, 30), 3, False),
+        # The ranges after file b's first bad one start earlier than assumed.
+        (40, range(20, 33), 3, False),
+    ],
+)
+@pytest.mark.parametrize(
+    "pipeline_args", [[], ["--direct_num_workers=2", "--direct_running_mode=multi_threading"]]
+)
+def test_bad_records_at_the_end(
+    tmp_path, monkeypatch, records_b, bad_b, batches, read_once, pipeline_args
+):
+    files = _files_bad_at_the_end(tmp_path, records_b, bad_b)
+    config = fdo_cases.job_config(processes=2, records_per_range=16)
+    expected, dead = fdo_cases.reference(files, config)
+    assert len(dead) == len(bad_b)
+    reads = _count_range_reads(monkeypatch)
+    result = beam_jobs.run_fdo_job(config, files, str(tmp_path / "fdo"), pipeline_args)
+
+    assert fdo_cases.document(result.stats) == expected
+    good = 100 + records_b - len(bad_b)
+    assert result.counters == {
+        "records": 100 + records_b,
+        "bad_records": len(bad_b),
+        "tail_records": good - batches * fdo_cases.BATCH,
+        "batches": batches,
+    }
+    ranges = [r for i, path in enumerate(files) for r in _batches.split_file(i, path, 16)]
+    assert set(reads) == set(ranges)
+    assert (len(reads) == len(ranges)) == read_once
 
 
 @pytest.mark.parametrize("order", [None, beam_jobs.TrainingOrder(shuffle_seed=3, epochs=2)])
