@@ -500,7 +500,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         data, tfrecord_files, fdo_dir = demo_inputs(config, directory)
         options = _train.TrainOptions(data=data, fdo_dir=fdo_dir, progress=False)
-        run = _train._Run(config, options, _train.make_mesh())
+        run = _train._Run(config, options, _train.make_mesh(config.mesh.devices))
         throughput = {}
         for workers in _counts(args.throughput_workers):
             throughput[workers] = measure_throughput(run, data, workers, args.batches)

@@ -110,8 +110,24 @@ class TrainResult(NamedTuple):
     limits: dict[str, embedding.StackLimits]
 
 
-def make_mesh() -> Mesh:
-    """The 1-D mesh over every device of every process."""
+def make_mesh(devices: int) -> Mesh:
+    """The 1-D mesh over every device of every process, `devices` of them.
+
+    Raises:
+      UsageError: JAX shows another number of devices than the config's
+        `mesh.devices` (the tables' sharding, the FDO stats and the
+        checkpoints all follow the config's).
+    """
+    if jax.device_count() != devices:
+        flags = os.environ.get("XLA_FLAGS", "")
+        raise UsageError(
+            f"The config's mesh.devices is {devices}, but JAX shows {jax.device_count()} "
+            f"devices over {jax.process_count()} process(es)"
+            + (f" (XLA_FLAGS={flags!r})" if flags else "")
+            + ". On CPU, sparseflow sets the device count from the config unless XLA_FLAGS "
+            "already sets --xla_force_host_platform_device_count: unset that flag, or make "
+            "mesh.devices the number of devices the run should use."
+        )
     return Mesh(np.array(jax.devices()), ("devices",))
 
 
@@ -388,7 +404,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     """
     if options.checkpoint_dir is not None and not options.resume:
         check_fresh(options.checkpoint_dir)
-    mesh = make_mesh()
+    mesh = make_mesh(config.mesh.devices)
     run = _Run(config, options, mesh)
     checkpoints = _checkpoints(run) if options.checkpoint_dir is not None else None
     metrics = MetricsWriter(options.metrics_dir if jax.process_index() == 0 else None)

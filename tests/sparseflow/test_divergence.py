@@ -66,7 +66,7 @@ def test_an_overflowing_input_stops_training_and_keeps_the_last_good_checkpoint(
     ):
         _train.train(config, options)
 
-    run = _train._Run(config, options, _train.make_mesh())
+    run = _train._Run(config, options, _train.make_mesh(config.mesh.devices))
     saved = Checkpoints(checkpoints, run=None)
     try:
         steps = saved.steps()
@@ -82,7 +82,11 @@ def test_an_overflowing_input_stops_training_and_keeps_the_last_good_checkpoint(
 
 def test_non_finite_parameters_are_not_saved(small_run):
     tmp, _, config, data = small_run
-    run = _train._Run(config, _train.TrainOptions(data=data, pipelined=False), _train.make_mesh())
+    run = _train._Run(
+        config,
+        _train.TrainOptions(data=data, pipelined=False),
+        _train.make_mesh(config.mesh.devices),
+    )
     name, variables = next(iter(run.tables.items()))
     run.tables = dict(run.tables, **{name: variables._replace(table=variables.table * np.inf)})
     checkpoints = Checkpoints(tmp / "non_finite", run=None)

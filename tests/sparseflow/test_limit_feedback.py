@@ -88,7 +88,7 @@ def _options(census, fdo_dir, **more) -> _train.TrainOptions:
 def _first_breach(census, fdo_dir) -> tuple[int, embedding.LimitBreachError] | None:
     """The first training batch the initial limits cannot lay out and its error, or None."""
     _, _, config, data, _ = census
-    mesh = _train.make_mesh()
+    mesh = _train.make_mesh(config.mesh.devices)
     specs = _train._feature_specs(config, _options(census, fdo_dir), mesh)
     host = pipelines.make_grain_iterator(
         data,
@@ -123,7 +123,7 @@ def test_a_breach_raises_the_limit_records_it_and_training_goes_on(census, caplo
     raises = embedding.load_limit_raises(fdo_dir, layout=config.fdo_layout, geometry=geometry)
     assert raises is not None and raises.batches[0] == breach
     # The next run starts from the raised limits: the batch now lays out.
-    mesh = _train.make_mesh()
+    mesh = _train.make_mesh(config.mesh.devices)
     specs = _train._feature_specs(config, _options(census, fdo_dir), mesh)
     limits = embedding.stack_limits(specs)
     for name, raised in raises.stacks.items():
@@ -164,7 +164,9 @@ def test_resume_after_a_raise_is_exact(census):
     # Resumed with the stats alone (not the raises the crashed run recorded), the
     # run starts from the stats' limits and takes the checkpoint's.
     fresh = _fdo_copy(census, "fdo_fresh")
-    initial = _train._feature_specs(config, _options(census, fresh), _train.make_mesh())
+    initial = _train._feature_specs(
+        config, _options(census, fresh), _train.make_mesh(config.mesh.devices)
+    )
     saved = Checkpoints(checkpoints, run=None)
     assert saved.steps()[-1] == stop
     assert saved.newest_metadata()["limits"] != _limit_feedback.limits_metadata(initial)

@@ -274,7 +274,7 @@ def test_only_host_0_breaks_the_small_limits(setup):
 
 
 def _restore(config, data: Path, checkpoints: Path):
-    run = _Run(config, TrainOptions(data=str(data)), make_mesh())
+    run = _Run(config, TrainOptions(data=str(data)), make_mesh(config.mesh.devices))
     manager = Checkpoints(checkpoints, run=None)  # inspected, not resumed
     try:
         snapshot = manager.restore_latest(run.arrays())

@@ -9,10 +9,12 @@ import weakref
 
 import jax
 import numpy as np
+import pytest
 from train_cases import cli as _cli
 
 import pipelines
 from sparseflow import _train
+from sparseflow._errors import UsageError
 
 
 def _leaves(result: _train.TrainResult) -> list[np.ndarray]:
@@ -123,3 +125,12 @@ def test_model_learns_on_held_out_data(small_run):
     )
     assert result.steps == 200
     assert result.eval_auc > 0.55
+
+
+def test_a_device_count_other_than_the_configs_is_a_usage_error(small_run):
+    """JAX showing more devices than `mesh.devices` (XLA_FLAGS set by hand)
+    stops the run with a message naming both counts, not a layout error."""
+    _, _, config, data = small_run
+    fewer = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, devices=4))
+    with pytest.raises(UsageError, match=r"mesh\.devices is 4, but JAX shows 8 devices"):
+        _train.train(fewer, _train.TrainOptions(data=data))
