@@ -571,16 +571,18 @@ def _report(run: _Run, metrics, progress, logged: int) -> int:
 
 @jax.jit
 def _all_finite(tree) -> jax.Array:
-    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in floats]))
 
 
 def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
-    # A finite loss does not rule out an update that made parameters NaN.
-    if not bool(_all_finite((run.state, run.tables))):
+    # A finite loss does not rule out an update that made parameters NaN, nor
+    # (pipelined) activations or gradients in flight that the next step applies.
+    if not bool(_all_finite(run.arrays())):
         raise TrainingDivergedError(
-            f"Parameters or optimizer slots are NaN or infinite after step {done} (with "
-            "finite losses); training stopped without saving them, so the last checkpoint "
-            "written is the last good one. Lower the learning rates."
+            "Parameters, optimizer slots or values in flight are NaN or infinite after step "
+            f"{done} (with finite losses); training stopped without saving them, so the last "
+            "checkpoint written is the last good one. Lower the learning rates."
         )
     checkpoints.save(
         Snapshot(

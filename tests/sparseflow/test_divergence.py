@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -92,6 +93,25 @@ def test_non_finite_parameters_are_not_saved(small_run):
     checkpoints = Checkpoints(tmp / "non_finite", run=None)
     try:
         with pytest.raises(_train.TrainingDivergedError, match="NaN or infinite after step 3"):
+            _train._save(run, checkpoints, batches=None, done=3)
+        assert checkpoints.steps() == []
+    finally:
+        checkpoints.close()
+
+
+def test_non_finite_values_in_flight_are_not_saved(small_run):
+    """A pipelined run's state in flight (here a NaN gradient) is checked too:
+    the next step would apply it to the restored parameters."""
+    tmp, _, config, data = small_run
+    run = _train._Run(
+        config,
+        _train.TrainOptions(data=data, pipelined=True),
+        _train.make_mesh(config.mesh.devices),
+    )
+    run.pipeline_state = {"gradients": jnp.array([1.0, np.nan]), "step": jnp.array(3)}
+    checkpoints = Checkpoints(tmp / "non_finite_in_flight", run=None)
+    try:
+        with pytest.raises(_train.TrainingDivergedError, match="in flight are NaN or infinite"):
             _train._save(run, checkpoints, batches=None, done=3)
         assert checkpoints.steps() == []
     finally:
