@@ -413,9 +413,15 @@ class CombineFdoStats(beam.PTransform):
 
 
 def _merged(_, fn: beam.CombineFn, *accumulators: list) -> list:
-    """`fn`'s output from lists of its accumulators; none from no accumulators."""
+    """`fn`'s output from lists of its accumulators; none from no accumulators.
+
+    Merged into a new accumulator: a merge may change only its first
+    accumulator, and side inputs' values may be shared with other readers.
+    """
     merged = [accumulator for part in accumulators for accumulator in part]
-    return [fn.extract_output(fn.merge_accumulators(merged))] if merged else []
+    if not merged:
+        return []
+    return [fn.extract_output(fn.merge_accumulators([fn.create_accumulator(), *merged]))]
 
 
 def _parts(pcolls) -> tuple:
