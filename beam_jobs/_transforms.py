@@ -16,9 +16,11 @@ partial batch, `batches` whose stats were computed.
 
 Every step costs the in-process runner time at every run (building,
 translating and running it), whatever the data: the job keeps them few.
-Files and ranges are spread by plain GroupByKeys, the per-batch stats are
-folded per bundle before the one global combine (which has no default
-value), and dead letters are written in two steps.
+Files and ranges are spread by plain GroupByKeys; what every worker needs
+whole (the ranges, their checks, the accumulators to merge) it reads as a
+side input, which adds no step; the per-batch stats are folded per bundle
+before one step merges the accumulators (no output when there are none),
+and dead letters are written in two steps.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ from beam_jobs._batches import (
     read_range,
     split_file,
 )
-from beam_jobs._combiners import MergeAccumulatorsFn
 from beam_jobs._dense_moments import DenseMomentsFn, by_key, moments_of
 from beam_jobs._job_config import FdoJobConfig
 from beam_jobs._range_stats import RangeStats, RangeStatsComputer, fdo_stats_fn
@@ -68,8 +69,8 @@ _RANGE_STATS = "range_stats"
 class _CheckRecordsFn(beam.DoFn):
     """A range -> `(range key, RangeCheck)`; its bad records as dead letters.
 
-    Given `assumed` offsets (file order: `assumed_offsets`), also the bundle's
-    `RangeStats` under them, at its end (`_RANGE_STATS`).
+    Given all `ranges` (file order), also the bundle's `RangeStats` under
+    their `assumed_offsets`, at its end (`_RANGE_STATS`).
     """
 
     def __init__(self, config: FdoJobConfig):
@@ -81,13 +82,15 @@ class _CheckRecordsFn(beam.DoFn):
     def setup(self):
         file_order = self._config.training_order is None
         self._range_stats = RangeStatsComputer(self._config) if file_order else None
+        # Every bundle of a run sees the same ranges: numbered once.
+        self._assumed = None
 
     def start_bundle(self):
         self._stats = None
         # The first range with a bad record, and the last range, of the bundle.
         self._first_bad = self._last = None
 
-    def process(self, record_range: RecordRange, assumed: RangeOffsets | None = None):
+    def process(self, record_range: RecordRange, ranges: list[RecordRange] | None = None):
         records = read_range(record_range)
         c = self._config
         rows, problems = check_records(records, c.layout, c.vocabulary_sizes)
@@ -106,8 +109,10 @@ class _CheckRecordsFn(beam.DoFn):
             yield beam.pvalue.TaggedOutput(_MOMENTS, moments_of(rows.dense))
         bad = np.array([index for index, _ in problems], np.int64)
         yield record_range.key, RangeCheck(len(records), bad)
-        if assumed is not None:
-            self._add(record_range, rows, bool(problems), assumed)
+        if ranges is not None:
+            if self._assumed is None:
+                self._assumed = assumed_offsets(ranges)
+            self._add(record_range, rows, bool(problems), self._assumed)
 
     def _add(self, record_range: RecordRange, rows: SparseRows, bad: bool, assumed: RangeOffsets):
         key, computer = record_range.key, self._range_stats
@@ -130,7 +135,8 @@ class _CheckRecordsFn(beam.DoFn):
 
 
 class _SettleRangesFn(beam.DoFn):
-    """`RangeStats` under assumed offsets -> the stats under `offsets`, the true ones.
+    """`RangeStats` under assumed offsets -> the stats under the true ones (`range_offsets`
+    of the ranges' `checks`).
 
     Outputs the accumulator of the ranges' whole batches, and their fragments
     (`_FRAGMENTS`); ranges whose stats do not stand are read, checked and cut
@@ -144,9 +150,14 @@ class _SettleRangesFn(beam.DoFn):
 
     def setup(self):
         self._range_stats = RangeStatsComputer(self._config)
+        # Every bundle of a run sees the same checks: numbered once.
+        self._offsets = None
 
-    def process(self, stats: RangeStats, offsets: RangeOffsets):
+    def process(self, stats: RangeStats, checks: list[tuple[tuple[int, int], RangeCheck]]):
         c, computer = self._config, self._range_stats
+        if self._offsets is None:
+            self._offsets = range_offsets(checks)
+        offsets = self._offsets
         if not computer.holds(stats, offsets):
             again = computer.empty()
             for record_range, _, _ in stats.ranges:
@@ -258,18 +269,18 @@ class ReadGlobalBatches(beam.PTransform):
     def expand(self, pbegin):
         config = self._config
         ranges = self._ranges(pbegin)
+        # The ranges and checks are few and small: side inputs, as lists, cost
+        # the in-process runner no step of their own (a GroupByKey would).
         side_inputs = {}
         if config.training_order is None:
-            assumed = ranges | "NumberRecords" >> _gather(assumed_offsets)
-            side_inputs["assumed"] = beam.pvalue.AsSingleton(assumed)
+            side_inputs["ranges"] = beam.pvalue.AsList(ranges)
         checked = ranges | "CheckRecords" >> beam.ParDo(
             _CheckRecordsFn(config), **side_inputs
         ).with_outputs(_DEAD_LETTERS, _MOMENTS, _RANGE_STATS, main="checks")
         if config.training_order is not None:
             return self._training_batches(ranges, checked)
-        offsets = checked.checks | "NumberRanges" >> _gather(range_offsets)
         settled = checked[_RANGE_STATS] | "SettleRanges" >> beam.ParDo(
-            _SettleRangesFn(config), offsets=beam.pvalue.AsSingleton(offsets)
+            _SettleRangesFn(config), checks=beam.pvalue.AsList(checked.checks)
         ).with_outputs(_FRAGMENTS, main="whole")
         joined = (
             settled[_FRAGMENTS]
@@ -374,8 +385,9 @@ class CombineFdoStats(beam.PTransform):
     The input is one PCollection, or a tuple of them (parts of the batches),
     or a dict of such: "batch_stats" (`BatchStats`) and "accumulators"
     (`FdoStatsFn` accumulators of batches folded already). Each part of
-    `BatchStats` is folded per bundle into accumulators, and the few
-    accumulators are merged (no Flatten of the per-batch stats).
+    `BatchStats` is folded per bundle into accumulators, and one step merges
+    the few accumulators, read as side inputs: no Flatten and no GroupByKey,
+    each of which would cost the in-process runner a step of its own.
     """
 
     def __init__(self, config: FdoJobConfig):
@@ -390,11 +402,26 @@ class CombineFdoStats(beam.PTransform):
             part | f"Accumulate{i}" >> beam.ParDo(_AccumulateFn(fn))
             for i, part in enumerate(_parts(inputs.get("batch_stats", ())))
         ]
+        accumulators += _parts(inputs.get("accumulators", ()))
+        pipeline = accumulators[0].pipeline
         return (
-            [*accumulators, *_parts(inputs.get("accumulators", ()))]
-            | "GatherAccumulators" >> beam.Flatten()
-            | "Merge" >> beam.CombineGlobally(MergeAccumulatorsFn(fn)).without_defaults()
+            pipeline
+            | "Start" >> beam.Impulse()
+            | "Merge"
+            >> beam.FlatMap(_merged, fn, *(beam.pvalue.AsList(part) for part in accumulators))
         )
+
+
+def _merged(_, fn: beam.CombineFn, *accumulators: list) -> list:
+    """`fn`'s output from lists of its accumulators; none from no accumulators.
+
+    Merged into a new accumulator: a merge may change only its first
+    accumulator, and side inputs' values may be shared with other readers.
+    """
+    merged = [accumulator for part in accumulators for accumulator in part]
+    if not merged:
+        return []
+    return [fn.extract_output(fn.merge_accumulators([fn.create_accumulator(), *merged]))]
 
 
 def _parts(pcolls) -> tuple:

@@ -30,6 +30,7 @@ cluster with `--runner=beam_jobs.dask_runner.DaskRunner
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -47,6 +48,7 @@ import embedding
 import pipelines
 from beam_jobs._job_config import FdoJobConfig
 from beam_jobs._record_urls import list_files
+from beam_jobs._state_sampling import short_state_sampling
 from beam_jobs._transforms import (
     METRICS_NAMESPACE,
     ComputeFdoStats,
@@ -144,8 +146,10 @@ def run_fdo_job(
         moments_path = FileSystems.join(out_dir, DENSE_MOMENTS_NAME)
         _ = outputs["dense_moments"] | "WriteDenseMoments" >> beam.Map(write_json, moments_path)
     start = time.perf_counter()
-    result = pipeline.run()
-    result.wait_until_finish()
+    in_process = isinstance(pipeline.runner, fn_runner.FnApiRunner)
+    with short_state_sampling() if in_process else contextlib.nullcontext():
+        result = pipeline.run()
+        result.wait_until_finish()
     counters = pipeline_counters(result, METRICS_NAMESPACE)
     _log.info(
         "FDO job over %d files took %.1f s: %s", len(files), time.perf_counter() - start, counters

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import beam_jobs
+import beam_jobs._transforms
 import embedding
 
 SEEDS = range(5)
@@ -227,3 +228,18 @@ def test_partial_then_merged_accumulators_equal_one_combine():
     whole = _combine(fn, inputs, rng)
     assert merged.batches == 12
     assert json.loads(merged.to_json()) == json.loads(whole.to_json())
+
+
+def test_merging_side_input_accumulators_leaves_them_as_they_were():
+    rng = np.random.default_rng(4)
+    inputs = [_batch_stats(rng, b) for b in range(9)]
+    fn = beam_jobs.FdoStatsFn(geometry=GEOMETRY, config_hash="h", top_k=3)
+    partial = beam_jobs.PartialCombineFn(fn)
+    parts = [[_combine(partial, inputs[:4], rng)], [_combine(partial, inputs[4:], rng)]]
+    before = [json.loads(fn.extract_output(p[0]).to_json()) for p in parts]
+
+    (merged,) = beam_jobs._transforms._merged(None, fn, *parts)
+
+    assert json.loads(merged.to_json()) == json.loads(_combine(fn, inputs, rng).to_json())
+    assert [json.loads(fn.extract_output(p[0]).to_json()) for p in parts] == before
+    assert beam_jobs._transforms._merged(None, fn, [], []) == []
