@@ -6,7 +6,9 @@ Training's order of the records is known before it starts
 batch `e * K + p // B` takes positions `[j * B, (j + 1) * B)`, and host `h`
 its rows `[h * n, (h + 1) * n)`. The job inverts the order: each record of a
 range is sent to its batch in every epoch, with its row, and each batch is
-put together from the records sent to it.
+put together from the records sent to it. Records travel by groups of
+consecutive batches (`batches_per_group`): one element per range and group,
+not per range and batch.
 
 A bad record (one `check_records` rejects) leaves its row empty; training
 fills the host's share of the batch with the first good records that follow
@@ -28,7 +30,7 @@ import numpy as np
 
 import embedding
 import pipelines
-from beam_jobs._batches import RangeCheck, SparseRows, concat_rows, take_rows
+from beam_jobs._batches import RangeCheck, SparseRows, concat_rows, slice_rows, take_rows
 from beam_jobs._job_config import TrainingOrder
 
 
@@ -138,28 +140,55 @@ class TrainingBatchPlan:
         return batches[order], keys[order], index[order], int(tail)
 
 
-def batch_parts(
-    rows: SparseRows, batches: np.ndarray, keys: np.ndarray, index: np.ndarray
-) -> Iterator[tuple[int, tuple[np.ndarray, SparseRows]]]:
-    """`(batch, (sort keys, rows))` per batch, from `TrainingBatchPlan.rows` of `rows`."""
-    cuts = np.flatnonzero(np.diff(batches)) + 1
-    for part in np.split(np.arange(batches.size), cuts):
-        if part.size:
-            yield int(batches[part[0]]), (keys[part], take_rows(rows, index[part]))
+def batches_per_group(records_per_range: int, batch_size: int) -> int:
+    """Consecutive batches sent to one group: about a range's worth of rows.
+
+    A record range's rows spread over every batch of a shuffled run; sent
+    per batch, they would make a small element per (range, batch) pair,
+    each costing its own selection, pickling and join. Sent per group of
+    batches, a range makes one element per group, and a group's batches
+    are put together with one sort.
+    """
+    return max(1, records_per_range // batch_size)
 
 
-def join_parts(
-    batch: int, parts: Iterable[tuple[np.ndarray, SparseRows]], batch_size: int
-) -> SparseRows:
-    """A batch from its `(sort keys, rows)` parts, in any order: the rows by key.
+def group_parts(
+    rows: SparseRows, batches: np.ndarray, keys: np.ndarray, index: np.ndarray, group_size: int
+) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray, SparseRows]]]:
+    """`(group, (batches, sort keys, rows))` per group of `group_size` consecutive batches.
+
+    Args:
+      rows: a range's good rows.
+      batches, keys, index: `TrainingBatchPlan.rows` of them (sorted by batch).
+      group_size: batches per group (`batches_per_group`).
+    """
+    sparse = rows._replace(dense=None)
+    groups = batches // group_size
+    cuts = np.flatnonzero(np.diff(groups)) + 1
+    for start, stop in zip([0, *cuts], [*cuts, groups.size], strict=True):
+        if stop > start:
+            part = slice(start, stop)
+            # Dense values are no stat's input: left behind, not pickled.
+            yield int(groups[start]), (batches[part], keys[part], take_rows(sparse, index[part]))
+
+
+def join_group(
+    group: int, parts: Iterable[tuple[np.ndarray, np.ndarray, SparseRows]], batch_size: int
+) -> Iterator[tuple[int, SparseRows]]:
+    """`(batch, rows)` of a group's batches, from its parts in any order: rows by sort key.
 
     Raises:
-      ValueError: the parts do not hold `batch_size` rows (a bug or a file
+      ValueError: a batch does not get `batch_size` rows (a bug or a file
         that changed between the passes).
     """
     parts = list(parts)
-    keys = np.concatenate([k for k, _ in parts])
-    if keys.size != batch_size:
-        raise ValueError(f"Batch {batch}: its records make {keys.size} rows, not {batch_size}.")
-    rows = concat_rows([r for _, r in parts])
-    return take_rows(rows, np.argsort(keys, kind="stable"))
+    batches = np.concatenate([b for b, _, _ in parts])
+    keys = np.concatenate([k for _, k, _ in parts])
+    numbers, counts = np.unique(batches, return_counts=True)
+    wrong = np.flatnonzero(counts != batch_size)
+    if wrong.size:
+        batch, count = numbers[wrong[0]], counts[wrong[0]]
+        raise ValueError(f"Batch {batch}: its records make {count} rows, not {batch_size}.")
+    rows = take_rows(concat_rows([r for _, _, r in parts]), np.lexsort((keys, batches)))
+    for i, batch in enumerate(numbers.tolist()):
+        yield batch, slice_rows(rows, i * batch_size, (i + 1) * batch_size)

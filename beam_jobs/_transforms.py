@@ -5,7 +5,8 @@
 
 ReadGlobalBatches forms training's batches when the job knows training's
 order (`FdoJobConfig.training_order`): every record goes to its batch of
-every epoch through one GroupByKey (`_training_batches`). Otherwise it forms
+every epoch through one GroupByKey, keyed by groups of consecutive batches
+(`_training_batches`). Otherwise it forms
 the batches of the good records in file order: ranges cut at batch
 boundaries, fragments joined (`_batches`), the batches within one range
 folded into stats as the range is checked (`_range_stats`).
@@ -56,7 +57,12 @@ from beam_jobs._batches import (
 from beam_jobs._dense_moments import DenseMomentsFn, by_key, moments_of
 from beam_jobs._job_config import FdoJobConfig
 from beam_jobs._range_stats import RangeStats, RangeStatsComputer, fdo_stats_fn
-from beam_jobs._training_batches import TrainingBatchPlan, batch_parts, join_parts
+from beam_jobs._training_batches import (
+    TrainingBatchPlan,
+    batches_per_group,
+    group_parts,
+    join_group,
+)
 
 METRICS_NAMESPACE = "sparseflow.fdo"
 _DEAD_LETTERS = "dead_letters"
@@ -173,9 +179,13 @@ class _SettleRangesFn(beam.DoFn):
 
 
 class _PlaceRecordsFn(beam.DoFn):
-    """A range -> `(batch, (sort keys, rows))`: its good records, sent to their batches."""
+    """A range -> `(group, (batches, sort keys, rows))`: its good records, sent to their
+    batches' groups (`batches_per_group`)."""
 
     def __init__(self, config: FdoJobConfig):
+        self._group_size = batches_per_group(
+            config.records_per_range, config.geometry.global_batch_size
+        )
         self._layout = config.layout
         self._vocabulary_sizes = config.vocabulary_sizes
         self._tail_records = Metrics.counter(METRICS_NAMESPACE, "tail_records")
@@ -186,7 +196,7 @@ class _PlaceRecordsFn(beam.DoFn):
         good = np.setdiff1d(np.arange(len(records)), [index for index, _ in problems])
         batches, keys, index, tail = plan.rows(good + plan.first_record[record_range.key])
         self._tail_records.inc(tail)
-        yield from batch_parts(rows, batches, keys, index)
+        yield from group_parts(rows, batches, keys, index, self._group_size)
 
 
 def _split(records_per_range: int, indexed_files: Iterable[tuple[int, str]]) -> list[RecordRange]:
@@ -198,9 +208,9 @@ def _joined(batch_and_fragments: tuple[int, Iterable], batch_size: int):
     return batch, join_fragments(batch, fragments, batch_size)
 
 
-def _joined_parts(batch_and_parts: tuple[int, Iterable], batch_size: int):
-    batch, parts = batch_and_parts
-    return batch, join_parts(batch, parts, batch_size)
+def _joined_group(group_and_parts: tuple[int, Iterable], batch_size: int):
+    group, parts = group_and_parts
+    return join_group(group, parts, batch_size)
 
 
 class _Group(beam.PTransform):
@@ -304,7 +314,7 @@ class ReadGlobalBatches(beam.PTransform):
             | "PlaceRecords"
             >> beam.ParDo(_PlaceRecordsFn(config), plan=beam.pvalue.AsSingleton(plan))
             | "GroupRecords" >> beam.GroupByKey()
-            | "JoinBatches" >> beam.Map(_joined_parts, config.geometry.global_batch_size)
+            | "JoinBatches" >> beam.FlatMap(_joined_group, config.geometry.global_batch_size)
         )
         return {
             "batches": batches,

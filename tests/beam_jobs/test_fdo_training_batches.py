@@ -20,6 +20,8 @@ from apache_beam.testing.util import assert_that, equal_to
 import beam_jobs
 import embedding
 import pipelines
+from beam_jobs._batches import SparseRows
+from beam_jobs._training_batches import join_group
 
 EPOCHS = 3
 SEED = 11
@@ -90,15 +92,19 @@ def _as_json(batch: int, stacks) -> str:
     return json.dumps([batch, plain], sort_keys=True)
 
 
-@pytest.mark.parametrize("processes, seed", [(1, SEED), (2, SEED), (2, None)])
-def test_job_batches_are_the_batches_training_draws(dataset, processes, seed):
+# 40 records per range: one batch of 32 per group; 100: groups of 3 batches.
+@pytest.mark.parametrize(
+    "processes, seed, records_per_range",
+    [(1, SEED, 40), (2, SEED, 40), (2, None, 40), (2, SEED, 100)],
+)
+def test_job_batches_are_the_batches_training_draws(dataset, processes, seed, records_per_range):
     files, by_row = dataset
     batches = _training_batches(files, by_row, processes, seed)
     assert len(batches) == EPOCHS * (150 // fdo_cases.BATCH)
     geometry = fdo_cases.geometry(processes)
     expected = [_stats_of(b, records, geometry) for b, records in enumerate(batches)]
     config = dataclasses.replace(
-        fdo_cases.job_config(processes=processes, records_per_range=40),
+        fdo_cases.job_config(processes=processes, records_per_range=records_per_range),
         training_order=beam_jobs.TrainingOrder(shuffle_seed=seed, epochs=EPOCHS),
     )
     runner = test_pipeline.TestPipeline(runner=DirectRunner(), options=PipelineOptions([]))
@@ -131,3 +137,28 @@ def test_stats_file_says_which_batches_it_covers(dataset, tmp_path):
     )
     assert loaded.batch_order.covers(dataclasses.replace(loaded.batch_order, epochs=1))
     assert not loaded.batch_order.covers(dataclasses.replace(loaded.batch_order, shuffle_seed=1))
+
+
+def _part(batches: list[int], keys: list[int], values: list[int]):
+    """A group part of one-id rows: `(batches, keys, rows)`."""
+    ids = embedding.RaggedIds(np.array(values, np.int64), np.arange(len(values) + 1))
+    rows = SparseRows(ids={"f": ids}, weights={})
+    return np.array(batches), np.array(keys), rows
+
+
+def test_join_group_orders_each_batch_by_key_from_parts_in_any_order():
+    parts = [
+        _part([4, 4, 5], [3, 0, 1], [43, 40, 51]),
+        _part([5, 4, 5], [2, 1, 0], [52, 41, 50]),
+        _part([4, 5], [2, 3], [42, 53]),
+    ]
+    joined = list(join_group(1, reversed(parts), batch_size=4))
+    assert [batch for batch, _ in joined] == [4, 5]
+    assert joined[0][1].ids["f"].values.tolist() == [40, 41, 42, 43]
+    assert joined[1][1].ids["f"].values.tolist() == [50, 51, 52, 53]
+
+
+def test_join_group_rejects_a_batch_of_the_wrong_size():
+    parts = [_part([4, 4, 5], [0, 1, 0], [40, 41, 50])]
+    with pytest.raises(ValueError, match="Batch 5: its records make 1 rows, not 2"):
+        list(join_group(2, parts, batch_size=2))
