@@ -23,6 +23,16 @@ worker count's, at the largest size; `dask_examples_per_worker_s` the
 assumes linear scaling (no shuffle or scheduler limits). The last line
 printed is one JSON object.
 
+The config's training order (the demo shuffles, over 4 epochs) is timed
+too, at the smallest size: the job with `FdoJobConfig.training_order` set
+forms the batches training draws (every record in its batch of every
+epoch), against `plain_loop_training_order`, which reads the records once
+and takes each epoch's batches forwards in training's order
+(`pipelines.batch_plan`, the training input's plan); their stats must be
+equal. `ratio_vs_plain_loop_training_order` is that loop's time over the
+job's (`training_order_loop_s` / `training_order_beam_s`, over
+`training_order_batches` batches of `training_order_examples` examples).
+
     python benchmarks/fdo_job.py [--sizes 100000 1000000] [--dask-workers 1 2]
                                  [--data-dir DIR] [--repeats 2]
 """
@@ -42,7 +52,7 @@ import beam_jobs
 import embedding
 import pipelines
 from beam_jobs._batch_stats import BatchStatsComputer
-from beam_jobs._batches import check_records, concat_rows, slice_rows
+from beam_jobs._batches import check_records, concat_rows, slice_rows, take_rows
 from beam_jobs.dask_cluster import dask_cluster
 from sparseflow import load_config, shipped_config
 from sparseflow._fdo_command import job_config
@@ -71,8 +81,8 @@ def dataset(config, directory: Path, examples: int) -> list[str]:
     return pipelines.list_record_files(str(path / "arrayrecord"))
 
 
-def plain_loop(job: beam_jobs.FdoJobConfig, files: list[str]) -> embedding.FdoStats:
-    """The same stats in one process: records in order, batches cut as they fill."""
+def _stats_fns(job: beam_jobs.FdoJobConfig):
+    """The job's per-batch stats and their combine, for a loop to call."""
     compute = BatchStatsComputer(job.feature_specs, job.geometry)
     combine = beam_jobs.FdoStatsFn(
         geometry=job.geometry,
@@ -80,12 +90,23 @@ def plain_loop(job: beam_jobs.FdoJobConfig, files: list[str]) -> embedding.FdoSt
         top_k=job.top_k,
         layout=None if job.fdo_layout is None else job.fdo_layout.entries,
     )
+    return compute, combine
+
+
+def _checked_chunks(job: beam_jobs.FdoJobConfig, files: list[str]):
+    """`(records, good rows, problems)` of the files' records, read in order in chunks."""
+    records = pipelines.read_records(files)
+    while chunk := [r for _, r in zip(range(_CHUNK), records)]:
+        yield (len(chunk), *check_records(chunk, job.layout, job.vocabulary_sizes))
+
+
+def plain_loop(job: beam_jobs.FdoJobConfig, files: list[str]) -> embedding.FdoStats:
+    """The same stats in one process: records in order, batches cut as they fill."""
+    compute, combine = _stats_fns(job)
     accumulator = combine.create_accumulator()
     size = job.geometry.global_batch_size
     pending, batch = [], 0
-    records = pipelines.read_records(files)
-    while chunk := [r for _, r in zip(range(_CHUNK), records)]:
-        rows, _ = check_records(chunk, job.layout, job.vocabulary_sizes)
+    for _, rows, _ in _checked_chunks(job, files):
         pending.append(rows)
         rows = concat_rows(pending)
         whole = rows.num_rows // size
@@ -95,6 +116,37 @@ def plain_loop(job: beam_jobs.FdoJobConfig, files: list[str]) -> embedding.FdoSt
             batch += 1
         pending = [slice_rows(rows, whole * size, rows.num_rows)]
     return combine.extract_output(accumulator)
+
+
+def plain_loop_training_order(job: beam_jobs.FdoJobConfig, files: list[str]) -> embedding.FdoStats:
+    """Training's batches in one process: the records read once, then every
+    epoch's batches taken in training's order (`pipelines.batch_plan`, the
+    training input's plan), forwards: batch by batch, its records looked up.
+
+    Raises:
+      ValueError: a bad record (training's fill-ins are not modelled here).
+    """
+    order, size = job.training_order, job.geometry.global_batch_size
+    compute, combine = _stats_fns(job)
+    count, parts = 0, []
+    for records, rows, problems in _checked_chunks(job, files):
+        if problems:
+            raise ValueError(f"Record {count + problems[0][0]} is bad: {problems[0][1]}")
+        count += records
+        parts.append(rows)
+    rows = concat_rows(parts)
+    batching = pipelines.BatchingConfig(
+        global_batch_size=size, num_epochs=order.epochs, shuffle_seed=order.shuffle_seed
+    )
+    plan = pipelines.batch_plan(count, batching)
+    accumulator = combine.create_accumulator()
+    for batch in range(plan.num_batches):
+        stats = compute(batch, take_rows(rows, plan.record_indices(batch)))
+        accumulator = combine.add_input(accumulator, stats)
+    batch_order = embedding.FdoBatchOrder(
+        records=count, shuffle_seed=order.shuffle_seed, epochs=order.epochs
+    )
+    return dataclasses.replace(combine.extract_output(accumulator), batch_order=batch_order)
 
 
 def _same_stats(result: beam_jobs.FdoJobResult, loop_stats: embedding.FdoStats, runner: str):
@@ -118,6 +170,19 @@ def measure(job, files: list[str], examples: int, out_dir: str, repeats: int) ->
         "loop_examples_per_s": round(examples / loop_s),
         "ratio_vs_plain_loop": round(loop_s / beam_s, 3),
         "loop_stats": loop_stats,
+    }
+
+
+def measure_training_order(job, files: list[str], out_dir: str, repeats: int) -> dict:
+    """The training-order loop and job (`job.training_order` set) at one size."""
+    loop_stats, loop_s = best_of(repeats, plain_loop_training_order, job, files)
+    result, beam_s = best_of(repeats, beam_jobs.run_fdo_job, job, files, out_dir)
+    _same_stats(result, loop_stats, "in process, training's order")
+    return {
+        "training_order_batches": result.stats.batches,
+        "training_order_beam_s": round(beam_s, 2),
+        "training_order_loop_s": round(loop_s, 2),
+        "ratio_vs_plain_loop_training_order": round(loop_s / beam_s, 3),
     }
 
 
@@ -167,10 +232,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     config = load_config(args.config)
-    # The loop forms file-order batches, so the job is timed in that form too
-    # (the demo config shuffles, which makes `sparseflow fdo` follow
-    # training's order: one more shuffle of every record per epoch).
-    job = dataclasses.replace(job_config(config), training_order=None)
+    # The loop forms file-order batches, so the job is timed in that form too;
+    # the demo config shuffles, which makes `sparseflow fdo` follow training's
+    # order (`shuffled`), timed at the smallest size against its own loop.
+    shuffled = job_config(config)
+    job = dataclasses.replace(shuffled, training_order=None)
     sizes = sorted(args.sizes)
     files = {examples: dataset(config, args.data_dir, examples) for examples in sizes}
     runs = []
@@ -181,6 +247,8 @@ def main() -> None:
         for examples in sizes:
             out = os.path.join(out_dir, f"fdo-{examples}")
             runs.append(measure(job, files[examples], examples, out, args.repeats))
+        out = os.path.join(out_dir, "training-order")
+        training = measure_training_order(shuffled, files[sizes[0]], out, args.repeats)
         for workers in args.dask_workers:
             measure_dask(job, files, workers, runs, out_dir, args.repeats)
     for run in runs:
@@ -200,6 +268,8 @@ def main() -> None:
                 "ratio_vs_plain_loop": min(r["ratio_vs_plain_loop"] for r in runs),
                 "linearity_beam": round(large["beam_s"] / (scale * small["beam_s"]), 3),
                 "linearity_loop": round(large["loop_s"] / (scale * small["loop_s"]), 3),
+                "training_order_examples": small["examples"],
+                **training,
                 **_dask_summary(large, args.dask_workers),
             }
         )
