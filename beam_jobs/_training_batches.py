@@ -10,17 +10,12 @@ put together from the records sent to it. Records travel by groups of
 consecutive batches (`batches_per_group`): one element per range and group,
 not per range and batch.
 
-Where a record goes depends on the number of records only, known from the
-ranges' sizes (`TrainingRows`): the pass that checks the ranges sends their
-good records to their batches as it reads them.
-
 A bad record (one `check_records` rejects) leaves its row empty; training
 fills the host's share of the batch with the first good records that follow
 the share in its epoch (`pipelines._preprocess_stage`), after the share's
 good rows. The bad records are few and known after the first pass, so the
-fill-ins are found there, once (`TrainingBatchPlan`), and only the ranges
-holding fill-in records are read again, to send them to the batches they
-fill too.
+fill-ins are found there, once (`TrainingBatchPlan`), and each fill-in
+record is sent to the batch it fills too.
 
 Rows are ordered by a sort key: `(host * 2 + kind) * B + index`, kind 0 for
 a record at its own row (index: its row), 1 for a fill-in (index: its place
@@ -39,77 +34,16 @@ from beam_jobs._batches import RangeCheck, SparseRows, concat_rows, slice_rows, 
 from beam_jobs._job_config import TrainingOrder
 
 
-class TrainingRows:
-    """Where training puts the records, from the ranges' sizes alone.
-
-    Args:
-      order: training's order (seed, epochs).
-      geometry: global batch and hosts.
-      sizes: `(RecordRange.key, records)` of every range of the dataset.
-
-    Fewer records than one global batch make no batch (the job then writes
-    no stats and says so).
-    """
-
-    def __init__(
-        self,
-        order: TrainingOrder,
-        geometry: embedding.FdoGeometry,
-        sizes: Iterable[tuple[tuple[int, int], int]],
-    ):
-        self.first_record: dict[tuple[int, int], int] = {}
-        total = 0
-        for key, records in sorted(sizes):
-            self.first_record[key] = total
-            total += records
-        self.batch_order = embedding.FdoBatchOrder(
-            records=total, shuffle_seed=order.shuffle_seed, epochs=order.epochs
-        )
-        self.batch_size = geometry.global_batch_size
-        self.host_rows = geometry.global_batch_size // geometry.processes
-        hosts = range(geometry.processes if total >= geometry.global_batch_size else 0)
-        self.plans = [
-            pipelines.batch_plan(
-                total,
-                pipelines.BatchingConfig(
-                    global_batch_size=geometry.global_batch_size,
-                    process_index=host,
-                    process_count=geometry.processes,
-                    num_epochs=order.epochs,
-                    shuffle_seed=order.shuffle_seed,
-                ),
-            )
-            for host in hosts
-        ]
-
-    def batch_rows(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`pipelines.BatchPlan.batch_rows` of `records` (none without a batch)."""
-        if not self.plans:
-            return (np.zeros(0, np.int64),) * 3
-        return self.plans[0].batch_rows(records)
-
-    def rows(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Where good `records` (`int64[k]`, dataset indices) go at their own rows.
-
-        Returns:
-          `(batch, sort key, index into records)`, each `int64[m]`, sorted by
-          batch, then key; and how many (record, epoch) pairs fell in an
-          epoch's dropped tail.
-        """
-        batches, rows, index = self.batch_rows(records)
-        keys = (rows // self.host_rows * 2) * self.batch_size + rows
-        tail = records.size * self.batch_order.epochs - index.size
-        order = np.lexsort((keys, batches))
-        return batches[order], keys[order], index[order], int(tail)
-
-
 class TrainingBatchPlan:
-    """Where training puts the fill-ins of the bad records, from the first pass.
+    """Where training puts every record, from the first pass over the ranges.
 
     Args:
       order: training's order (seed, epochs).
       geometry: global batch and hosts.
       checks: `(RecordRange.key, RangeCheck)` of every range of the dataset.
+
+    Fewer records than one global batch make no batch (the job then writes
+    no stats and says so).
 
     Raises:
       ValueError: a host's share of an epoch with too few good records to
@@ -122,29 +56,49 @@ class TrainingBatchPlan:
         geometry: embedding.FdoGeometry,
         checks: Iterable[tuple[tuple[int, int], RangeCheck]],
     ):
-        checks = list(checks)
-        self.training_rows = TrainingRows(
-            order, geometry, [(key, check.records) for key, check in checks]
+        checks = sorted(checks, key=lambda pair: pair[0])
+        self.first_record: dict[tuple[int, int], int] = {}
+        total, bad = 0, []
+        for key, check in checks:
+            self.first_record[key] = total
+            bad.append(check.bad + total)
+            total += check.records
+        self.batch_order = embedding.FdoBatchOrder(
+            records=total, shuffle_seed=order.shuffle_seed, epochs=order.epochs
         )
-        first = self.training_rows.first_record
-        bad = [check.bad + first[key] for key, check in checks]
-        self._bad = np.sort(np.concatenate(bad)) if bad else np.zeros(0, np.int64)
+        self._batch_size = geometry.global_batch_size
+        self._host_rows = geometry.global_batch_size // geometry.processes
+        hosts = range(geometry.processes if total >= geometry.global_batch_size else 0)
+        self._plans = [
+            pipelines.batch_plan(
+                total,
+                pipelines.BatchingConfig(
+                    global_batch_size=geometry.global_batch_size,
+                    process_index=host,
+                    process_count=geometry.processes,
+                    num_epochs=order.epochs,
+                    shuffle_seed=order.shuffle_seed,
+                ),
+            )
+            for host in hosts
+        ]
+        self._bad = np.concatenate(bad) if bad else np.zeros(0, np.int64)
         self._fill_records, self._fill_batches, self._fill_keys = self._fill_ins()
 
-    @property
-    def batch_order(self) -> embedding.FdoBatchOrder:
-        return self.training_rows.batch_order
+    def _batch_rows(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self._plans:
+            return (np.zeros(0, np.int64),) * 3
+        return self._plans[0].batch_rows(records)
 
     def _fill_ins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(record, batch, sort key)` of every fill-in, sorted by record."""
-        t = self.training_rows
-        batches, rows, _ = t.batch_rows(self._bad)
-        hosts = rows // t.host_rows
+        batches, rows, _ = self._batch_rows(self._bad)
+        hosts = rows // self._host_rows
         shares, counts = np.unique(np.stack([batches, hosts], axis=1), axis=0, return_counts=True)
         found = np.zeros((0, 3), np.int64)
         for (batch, host), count in zip(shares.tolist(), counts.tolist(), strict=True):
             records = self._first_good_after(batch, host, count)
-            keys = (host * 2 + 1) * t.batch_size + np.arange(count)
+            keys = (host * 2 + 1) * self._batch_size + np.arange(count)
             found = np.concatenate([found, np.stack([records, np.full(count, batch), keys], 1)])
         records, batches, keys = found.T
         order = np.argsort(records, kind="stable")
@@ -153,7 +107,7 @@ class TrainingBatchPlan:
     def _first_good_after(self, batch: int, host: int, count: int) -> list[int]:
         """The first `count` good records after `host`'s share of `batch` in its epoch."""
         found: list[int] = []
-        for records in self.training_rows.plans[host].following_record_indices(batch):
+        for records in self._plans[host].following_record_indices(batch):
             found += records[~np.isin(records, self._bad)][: count - len(found)].tolist()
             if len(found) == count:
                 return found
@@ -162,27 +116,28 @@ class TrainingBatchPlan:
             f"records to replace its {count} bad ones; the dataset is mostly bad records."
         )
 
-    def fills(self, key: tuple[int, int], records: int) -> bool:
-        """Whether a fill-in is among the `records` records of the range at `key`."""
-        first = self.training_rows.first_record[key]
-        return bool(np.any((self._fill_records >= first) & (self._fill_records < first + records)))
-
-    def fill_in_rows(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Where good `records` (`int64[k]`, dataset indices) go as fill-ins.
+    def rows(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Where good `records` (`int64[k]`, dataset indices) go.
 
         Returns:
           `(batch, sort key, index into records)`, each `int64[m]`, sorted by
-          batch, then key.
+          batch; and how many (record, epoch) pairs fell in an epoch's dropped
+          tail.
         """
+        batches, rows, index = self._batch_rows(records)
+        keys = (rows // self._host_rows * 2) * self._batch_size + rows
+        tail = records.size * self.batch_order.epochs - index.size
         # The fill-ins of records[i] are entries [start[i], start[i] + count[i]).
         start = np.searchsorted(self._fill_records, records, side="left")
         count = np.searchsorted(self._fill_records, records, side="right") - start
-        index = np.repeat(np.arange(records.size), count)
+        fills = np.repeat(np.arange(records.size), count)
         before = np.cumsum(count) - count
-        at = np.arange(index.size) + np.repeat(start - before, count)
-        batches, keys = self._fill_batches[at], self._fill_keys[at]
+        at = np.arange(fills.size) + np.repeat(start - before, count)
+        batches = np.concatenate([batches, self._fill_batches[at]])
+        keys = np.concatenate([keys, self._fill_keys[at]])
+        index = np.concatenate([index, fills])
         order = np.lexsort((keys, batches))
-        return batches[order], keys[order], index[order]
+        return batches[order], keys[order], index[order], int(tail)
 
 
 def batches_per_group(records_per_range: int, batch_size: int) -> int:
@@ -204,8 +159,7 @@ def group_parts(
 
     Args:
       rows: a range's good rows.
-      batches, keys, index: `TrainingRows.rows` or `TrainingBatchPlan.fill_in_rows`
-        of them (sorted by batch).
+      batches, keys, index: `TrainingBatchPlan.rows` of them (sorted by batch).
       group_size: batches per group (`batches_per_group`).
     """
     sparse = rows._replace(dense=None)

@@ -59,7 +59,6 @@ from beam_jobs._job_config import FdoJobConfig
 from beam_jobs._range_stats import RangeStats, RangeStatsComputer, fdo_stats_fn
 from beam_jobs._training_batches import (
     TrainingBatchPlan,
-    TrainingRows,
     batches_per_group,
     group_parts,
     join_group,
@@ -69,7 +68,6 @@ METRICS_NAMESPACE = "sparseflow.fdo"
 _DEAD_LETTERS = "dead_letters"
 BATCH_PARTS = ("batches", "joined_batches")
 _FRAGMENTS = "fragments"
-_PARTS = "parts"
 _MOMENTS = "dense_moments"
 _RANGE_STATS = "range_stats"
 
@@ -77,10 +75,8 @@ _RANGE_STATS = "range_stats"
 class _CheckRecordsFn(beam.DoFn):
     """A range -> `(range key, RangeCheck)`; its bad records as dead letters.
 
-    Given all `ranges`: in file order (no training order), also the bundle's
-    `RangeStats` under their `assumed_offsets`, at its end (`_RANGE_STATS`);
-    in training's order, the range's good records sent to their batches'
-    groups at their own rows (`_PARTS`).
+    Given all `ranges` (file order), also the bundle's `RangeStats` under
+    their `assumed_offsets`, at its end (`_RANGE_STATS`).
     """
 
     def __init__(self, config: FdoJobConfig):
@@ -92,16 +88,15 @@ class _CheckRecordsFn(beam.DoFn):
     def setup(self):
         file_order = self._config.training_order is None
         self._range_stats = RangeStatsComputer(self._config) if file_order else None
-        self._place = None if file_order else _RecordPlacer(self._config)
         # Every bundle of a run sees the same ranges: numbered once.
-        self._assumed = self._training_rows = None
+        self._assumed = None
 
     def start_bundle(self):
         self._stats = None
         # The first range with a bad record, and the last range, of the bundle.
         self._first_bad = self._last = None
 
-    def process(self, record_range: RecordRange, ranges: list[RecordRange]):
+    def process(self, record_range: RecordRange, ranges: list[RecordRange] | None = None):
         records = read_range(record_range)
         c = self._config
         rows, problems = check_records(records, c.layout, c.vocabulary_sizes)
@@ -120,12 +115,7 @@ class _CheckRecordsFn(beam.DoFn):
             yield beam.pvalue.TaggedOutput(_MOMENTS, moments_of(rows.dense))
         bad = np.array([index for index, _ in problems], np.int64)
         yield record_range.key, RangeCheck(len(records), bad)
-        if self._place is not None:
-            if self._training_rows is None:
-                self._training_rows = self._place.training_rows(ranges)
-            for part in self._place.own_rows(self._training_rows, record_range, rows, bad):
-                yield beam.pvalue.TaggedOutput(_PARTS, part)
-        else:
+        if ranges is not None:
             if self._assumed is None:
                 self._assumed = assumed_offsets(ranges)
             self._add(record_range, rows, bool(problems), self._assumed)
@@ -188,52 +178,25 @@ class _SettleRangesFn(beam.DoFn):
             yield stats.accumulator
 
 
-class _RecordPlacer:
-    """Sends a range's good records to the groups of their batches (`_training_batches`)."""
+class _PlaceRecordsFn(beam.DoFn):
+    """A range -> `(group, (batches, sort keys, rows))`: its good records, sent to their
+    batches' groups (`batches_per_group`)."""
 
     def __init__(self, config: FdoJobConfig):
-        self._config = config
         self._group_size = batches_per_group(
             config.records_per_range, config.geometry.global_batch_size
         )
+        self._layout = config.layout
+        self._vocabulary_sizes = config.vocabulary_sizes
         self._tail_records = Metrics.counter(METRICS_NAMESPACE, "tail_records")
 
-    def training_rows(self, ranges: list[RecordRange]) -> TrainingRows:
-        c = self._config
-        sizes = [(r.key, r.stop - r.start) for r in ranges]
-        return TrainingRows(c.training_order, c.geometry, sizes)
-
-    def own_rows(self, rows_of: TrainingRows, record_range: RecordRange, rows, bad: np.ndarray):
-        """`(group, part)` of the range's good `rows` at their own rows."""
-        good = self._good(record_range, bad) + rows_of.first_record[record_range.key]
-        batches, keys, index, tail = rows_of.rows(good)
-        self._tail_records.inc(tail)
-        return group_parts(rows, batches, keys, index, self._group_size)
-
-    def fill_ins(self, plan: TrainingBatchPlan, record_range: RecordRange):
-        """`(group, part)` of the range's fill-ins: none without reading it if it holds none."""
-        if not plan.fills(record_range.key, record_range.stop - record_range.start):
-            return
-        c = self._config
-        rows, problems = check_records(read_range(record_range), c.layout, c.vocabulary_sizes)
-        bad = np.array([index for index, _ in problems], np.int64)
-        first = plan.training_rows.first_record[record_range.key]
-        batches, keys, index = plan.fill_in_rows(self._good(record_range, bad) + first)
-        yield from group_parts(rows, batches, keys, index, self._group_size)
-
-    @staticmethod
-    def _good(record_range: RecordRange, bad: np.ndarray) -> np.ndarray:
-        return np.setdiff1d(np.arange(record_range.stop - record_range.start), bad)
-
-
-class _PlaceFillInsFn(beam.DoFn):
-    """A range -> `(group, (batches, sort keys, rows))` of its fill-in records."""
-
-    def __init__(self, config: FdoJobConfig):
-        self._place = _RecordPlacer(config)
-
     def process(self, record_range: RecordRange, plan: TrainingBatchPlan):
-        yield from self._place.fill_ins(plan, record_range)
+        records = read_range(record_range)
+        rows, problems = check_records(records, self._layout, self._vocabulary_sizes)
+        good = np.setdiff1d(np.arange(len(records)), [index for index, _ in problems])
+        batches, keys, index, tail = plan.rows(good + plan.first_record[record_range.key])
+        self._tail_records.inc(tail)
+        yield from group_parts(rows, batches, keys, index, self._group_size)
 
 
 def _split(records_per_range: int, indexed_files: Iterable[tuple[int, str]]) -> list[RecordRange]:
@@ -318,9 +281,12 @@ class ReadGlobalBatches(beam.PTransform):
         ranges = self._ranges(pbegin)
         # The ranges and checks are few and small: side inputs, as lists, cost
         # the in-process runner no step of their own (a GroupByKey would).
+        side_inputs = {}
+        if config.training_order is None:
+            side_inputs["ranges"] = beam.pvalue.AsList(ranges)
         checked = ranges | "CheckRecords" >> beam.ParDo(
-            _CheckRecordsFn(config), ranges=beam.pvalue.AsList(ranges)
-        ).with_outputs(_DEAD_LETTERS, _MOMENTS, _RANGE_STATS, _PARTS, main="checks")
+            _CheckRecordsFn(config), **side_inputs
+        ).with_outputs(_DEAD_LETTERS, _MOMENTS, _RANGE_STATS, main="checks")
         if config.training_order is not None:
             return self._training_batches(ranges, checked)
         settled = checked[_RANGE_STATS] | "SettleRanges" >> beam.ParDo(
@@ -343,12 +309,10 @@ class ReadGlobalBatches(beam.PTransform):
         plan = checked.checks | "PlanTrainingBatches" >> _gather(
             functools.partial(TrainingBatchPlan, config.training_order, config.geometry)
         )
-        fill_ins = ranges | "PlaceFillIns" >> beam.ParDo(
-            _PlaceFillInsFn(config), plan=beam.pvalue.AsSingleton(plan)
-        )
         batches = (
-            (checked[_PARTS], fill_ins)
-            | "AllParts" >> beam.Flatten()
+            ranges
+            | "PlaceRecords"
+            >> beam.ParDo(_PlaceRecordsFn(config), plan=beam.pvalue.AsSingleton(plan))
             | "GroupRecords" >> beam.GroupByKey()
             | "JoinBatches" >> beam.FlatMap(_joined_group, config.geometry.global_batch_size)
         )
