@@ -10,6 +10,12 @@ A step is `sparse_dense_matmul`, the gradient of `0.5 * sum(activations^2)`
 (the activations themselves) and `apply_gradients`, jitted as one program with
 the variables donated, and waited for.
 
+The 8 tables, of one width and optimizer, are stacked into one physical
+table (`embedding.stack_tables`), as jax-tpu-embedding stacks such tables and
+as TorchRec's table-batched kernel holds them; `--no-stacking` keeps one
+physical table each. Limits from the stats pass are the stack's: each table
+gets its share (rounded up), and the stack's limit is their sum.
+
 Commands (the line protocol of `_line_protocol.py`):
   * `setup <optimizer>`: drops the previous optimizer's variables, lays out
     every batch (timed: `preprocess_ms`, one time per batch), creates the
@@ -72,8 +78,15 @@ def optimizer_spec(name: str, shape: LookupShape) -> embedding.OptimizerSpec:
 
 
 def feature_specs(
-    shape: LookupShape, optimizer: embedding.OptimizerSpec, limits: dict[str, int]
+    shape: LookupShape,
+    optimizer: embedding.OptimizerSpec,
+    limits: dict[str, int],
+    stack_over: tuple[int, int] | None,
 ) -> dict[str, embedding.FeatureSpec]:
+    """One feature per table; with `stack_over = (devices, partitions per
+    device)`, the tables stacked into one, `limits` being the stack's."""
+    if stack_over is not None:
+        limits = {name: -(-limit // shape.tables) for name, limit in limits.items()}
     specs = {}
     for t in range(shape.tables):
         table = embedding.TableSpec(
@@ -91,20 +104,30 @@ def feature_specs(
             input_shape=[shape.batch, shape.max_valency],
             output_shape=[shape.batch, shape.dim],
         )
-    return specs
+    if stack_over is None:
+        return specs
+    names = [f"t{t}" for t in range(shape.tables)]
+    return embedding.stack_tables(specs, names, *stack_over, stack_name="tables")
 
 
 class OurStep:
     """Our step for one optimizer at a time on `mesh`, driven by commands."""
 
     def __init__(
-        self, batches: list[Batch], shape: LookupShape, mesh: Mesh, partitions: int, warmup: int
+        self,
+        batches: list[Batch],
+        shape: LookupShape,
+        mesh: Mesh,
+        partitions: int,
+        warmup: int,
+        stacked: bool,
     ) -> None:
         self.batches = batches
         self.shape = shape
         self.mesh = mesh
         self.partitions = partitions
         self.warmup = warmup
+        self.stack_over = (mesh.size, partitions) if stacked else None
         self.limits = self._stats_limits()
         self._clear()
 
@@ -128,8 +151,10 @@ class OurStep:
 
     def _stats_limits(self) -> dict[str, int]:
         """Limits from a stats pass (stats count before dropping, so the pass may drop)."""
-        loose = dict(max_ids_per_partition=256, max_unique_ids_per_partition=256)
-        specs = feature_specs(self.shape, embedding.SGDOptimizerSpec(), loose)
+        # 256 ids per table and partition (the stack's limit is the tables' sum)
+        loose_limit = 256 * (self.shape.tables if self.stack_over else 1)
+        loose = dict(max_ids_per_partition=loose_limit, max_unique_ids_per_partition=loose_limit)
+        specs = feature_specs(self.shape, embedding.SGDOptimizerSpec(), loose, self.stack_over)
         max_ids = max_unique = buffer = 0
         for batch in self.batches:
             _, stats = self._preprocess(batch, specs, allow_id_dropping=True)
@@ -152,7 +177,9 @@ class OurStep:
 
     def setup(self, name: str) -> dict:
         self._clear()
-        specs = feature_specs(self.shape, optimizer_spec(name, self.shape), self.limits)
+        specs = feature_specs(
+            self.shape, optimizer_spec(name, self.shape), self.limits, self.stack_over
+        )
         laid_out, preprocess_ms = [], []
         for batch in self.batches:
             start = time.perf_counter()
@@ -205,6 +232,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--partitions-per-device", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--no-stacking", dest="stacked", action="store_false", help="one physical table each"
+    )
     args = parser.parse_args()
     replies = reply_stream()
     if jax.device_count() != args.devices:
@@ -220,8 +250,9 @@ def main() -> None:
         mesh,
         args.partitions_per_device,
         args.warmup,
+        args.stacked,
     )
-    greeting = {"devices": mesh.size, "limits": ours.limits}
+    greeting = {"devices": mesh.size, "stacked": args.stacked, "limits": ours.limits}
     serve(replies, {"setup": ours.setup, "time": ours.time}, greeting=greeting)
 
 

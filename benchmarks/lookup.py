@@ -9,8 +9,11 @@ update, waited for:
 
   * ours on 1 CPU device and on 8 virtual CPU devices, each in its own child
     process (`_lookup_ours.py`; a process's device count is fixed when jax
-    starts): tables MOD-sharded, limits from a stats pass over the same
-    batches (nothing dropped), one jitted program with the variables donated.
+    starts): the 8 tables stacked into one (`embedding.stack_tables`; TorchRec
+    likewise runs them through one table-batched kernel) and MOD-sharded,
+    limits from a stats pass over the same batches (nothing dropped), one
+    jitted program with the variables donated. `--no-stacking` keeps them 8
+    physical tables.
     The host preprocessing of every batch is timed at every setup
     (`preprocess_ms`); it is not part of the step.
   * TorchRec 1.8's EmbeddingBagCollection with the optimizer fused into
@@ -96,6 +99,7 @@ def start_runners(
         argv = [sys.executable, str(BENCHMARKS / "_lookup_ours.py"), str(batches)]
         argv += ["--shape", shape.to_json(), "--devices", str(devices)]
         argv += ["--partitions-per-device", str(args.partitions_per_device)]
+        argv += [] if args.stacked else ["--no-stacking"]
         runners[name] = stack.enter_context(LineProcess(name, argv, env=_device_env(devices)))
     argv = [str(args.torchrec_python), str(BENCHMARKS / "lookup_torchrec_peer.py"), str(batches)]
     # Our update kernels keep the tables on huge pages; PyTorch does the same
@@ -267,6 +271,12 @@ def parse_args() -> argparse.Namespace:
         action="store_false",
         help="run TorchRec without THP_MEM_ALLOC_ENABLE=1 (its tables on 4 KiB pages)",
     )
+    parser.add_argument(
+        "--no-stacking",
+        dest="stacked",
+        action="store_false",
+        help="our 8 tables as 8 physical tables instead of one stack",
+    )
     parser.add_argument("--torchrec-python", type=Path, default=TORCHREC_PYTHON)
     return parser.parse_args()
 
@@ -284,7 +294,7 @@ def main() -> None:
     figures = batch_figures(shape, batches)
     figures.update(rounds=args.rounds, steps_per_round=args.steps)
     figures.update(partitions_per_device=args.partitions_per_device)
-    figures.update(torchrec_huge_pages=args.peer_huge_pages)
+    figures.update(torchrec_huge_pages=args.peer_huge_pages, ours_stacked=args.stacked)
     setups = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         path = Path(tmp) / "batches.npz"

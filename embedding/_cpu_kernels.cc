@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -119,12 +120,13 @@ class RowSum {
     float* sum = data();
     for (int64_t d = 0; d < width(); ++d) sum[d] += gain * row[d];
   }
+  void Set(const float* row) { std::copy(row, row + width(), data()); }
   void Store(float* out) const { std::copy(data(), data() + width(), out); }
   int64_t width() const { return D ? D : dim_; }
-
- private:
   float* data() { return D ? local_ : heap_.data(); }
   const float* data() const { return D ? local_ : heap_.data(); }
+
+ private:
   int64_t dim_;
   alignas(64) float local_[D ? D : 1] = {};
   std::vector<float> heap_;
@@ -409,16 +411,68 @@ float SumOfSquares(const float* g, int64_t dim) {
   return lanes[0];
 }
 
+// The optimizer's update of one row from its summed gradient g (D floats,
+// `dim` when D = 0), in place.
+template <Rule rule, int64_t D>
+struct RowUpdate {
+  int64_t dim;
+  float learning_rate;
+  float epsilon;
+  const int32_t* table_starts;
+  const int32_t* table_dims;
+  int64_t tables;
+  int64_t rows_per_partition;
+  float* table;
+  float* slot;
+
+  int64_t width() const { return D ? D : dim; }
+
+  void Prefetch(int64_t row) const {
+    PrefetchRow<1>(table + row * width(), width());
+    if constexpr (rule == Rule::kAdagrad) PrefetchRow<1>(slot + row * width(), width());
+    if constexpr (rule == Rule::kRowWiseAdagrad) __builtin_prefetch(slot + row, 1, 1);
+  }
+
+  void Apply(int64_t row, const float* g) const {
+    const int64_t n = width();
+    float* w = table + row * n;
+    if constexpr (rule == Rule::kSgd) {
+      for (int64_t d = 0; d < n; ++d) w[d] -= learning_rate * g[d];
+    } else if constexpr (rule == Rule::kAdagrad) {
+      float* a = slot + row * n;
+      for (int64_t d = 0; d < n; ++d) {
+        a[d] += g[d] * g[d];
+        w[d] -= learning_rate * g[d] / std::sqrt(a[d]);
+      }
+    } else {
+      int64_t t = 0;
+      if (tables > 1) {
+        const int64_t local = row % rows_per_partition;
+        while (t + 1 < tables && local >= table_starts[t + 1]) ++t;
+      }
+      const float accumulator = slot[row] + SumOfSquares(g, n) / static_cast<float>(table_dims[t]);
+      slot[row] = accumulator;
+      const float scale = learning_rate / (std::sqrt(accumulator) + epsilon);
+      for (int64_t d = 0; d < n; ++d) w[d] -= scale * g[d];
+    }
+  }
+};
+
 // Merges the gradients the owner received (runs of U rows, one per source
 // slot and device, each ascending and padded with out-of-range rows) for the
 // rows in [row_begin, row_end) and applies the optimizer once per distinct
 // row, in place. A row's gradients are summed in run order.
-template <Rule rule>
+//
+// Several sources are merged as they are read: the smallest head row of all
+// runs is found over lanes of 16 (vector compares and a bit mask, no branch
+// per run), and every run headed by it adds its gradient and moves on. On 8
+// runs of 20k rows of width 16 in all (alone, tables on huge pages and out of
+// the caches) this took 35 ns per row where collecting (row, position) keys
+// and merging them pairwise took 57 ns; on one run of 150k rows, 25 against 31.
+template <Rule rule, int64_t D>
 void MergeAndApply(const int32_t* received, const float* grads, int64_t runs, int64_t uniques,
-                   int64_t dim, int64_t shard_rows, int64_t row_begin, int64_t row_end,
-                   float learning_rate, float epsilon, const int32_t* table_starts,
-                   const int32_t* table_dims, int64_t tables, int64_t rows_per_partition,
-                   float* table, float* slot) {
+                   int64_t row_begin, int64_t row_end, const RowUpdate<rule, D>& update) {
+  const int64_t dim = update.width();
   // Position and end of every run holding rows of the range.
   std::vector<int64_t> heads, ends;
   for (int64_t r = 0; r < runs; ++r) {
@@ -430,86 +484,59 @@ void MergeAndApply(const int32_t* received, const float* grads, int64_t runs, in
       ends.push_back(end);
     }
   }
-  auto prefetch = [&](int64_t position, int64_t end) {
-    if (position >= end) return;
-    const int64_t row = received[position];
-    PrefetchRow<1>(table + row * dim, dim);
-    if constexpr (rule == Rule::kAdagrad) PrefetchRow<1>(slot + row * dim, dim);
-    if constexpr (rule == Rule::kRowWiseAdagrad) __builtin_prefetch(slot + row, 1, 1);
-  };
-  auto apply = [&](int64_t row, const float* g) {
-    float* w = table + row * dim;
-    if constexpr (rule == Rule::kSgd) {
-      for (int64_t d = 0; d < dim; ++d) w[d] -= learning_rate * g[d];
-    } else if constexpr (rule == Rule::kAdagrad) {
-      float* a = slot + row * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        a[d] += g[d] * g[d];
-        w[d] -= learning_rate * g[d] / std::sqrt(a[d]);
-      }
-    } else {
-      int64_t t = 0;
-      if (tables > 1) {
-        const int64_t local = row % rows_per_partition;
-        while (t + 1 < tables && local >= table_starts[t + 1]) ++t;
-      }
-      const float squares = SumOfSquares(g, dim);
-      slot[row] += squares / static_cast<float>(table_dims[t]);
-      const float scale = learning_rate / (std::sqrt(slot[row]) + epsilon);
-      for (int64_t d = 0; d < dim; ++d) w[d] -= scale * g[d];
-    }
-  };
-  if (heads.size() == 1) {
+  const int64_t k = heads.size();
+  if (k == 0) return;
+  if (k == 1) {
     // One source (one device, one slot): every row comes once.
-    for (int64_t i = 0; i < kPrefetchAhead; ++i) prefetch(heads[0] + i, ends[0]);
-    for (int64_t i = heads[0]; i < ends[0]; ++i) {
-      prefetch(i + kPrefetchAhead, ends[0]);
-      apply(received[i], grads + i * dim);
+    const int64_t begin = heads[0], end = ends[0];
+    for (int64_t i = begin; i < std::min(end, begin + kPrefetchAhead); ++i) {
+      update.Prefetch(received[i]);
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kPrefetchAhead < end) update.Prefetch(received[i + kPrefetchAhead]);
+      update.Apply(received[i], grads + i * dim);
     }
     return;
   }
-  // Several sources: order (row, position) pairs by row; positions grow
-  // with the run, so a row's gradients are summed in run order. Each run's
-  // pairs are already in order, so merging the runs pairwise (log2(runs)
-  // passes) orders them in a fraction of a sort's time.
-  std::vector<uint64_t> keys, merged;
-  std::vector<size_t> bounds{0};
-  for (size_t a = 0; a < heads.size(); ++a) {
-    for (int64_t i = heads[a]; i < ends[a]; ++i) {
-      keys.push_back(static_cast<uint64_t>(received[i]) << 32 | static_cast<uint64_t>(i));
+  // Runs advance together (their rows spread alike over the range), so
+  // requesting each run's row `ahead` places on requests the rows about
+  // kPrefetchAhead merged rows early.
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchAhead / k);
+  constexpr int64_t kLanes = 16;
+  constexpr int32_t kDone = std::numeric_limits<int32_t>::max();
+  const int64_t blocks = (k + kLanes - 1) / kLanes;
+  std::vector<int32_t> head_row(blocks * kLanes, kDone);
+  for (int64_t a = 0; a < k; ++a) {
+    head_row[a] = received[heads[a]];
+    for (int64_t i = heads[a]; i < std::min(ends[a], heads[a] + ahead); ++i) {
+      update.Prefetch(received[i]);
     }
-    bounds.push_back(keys.size());
   }
-  merged.resize(keys.size());
-  while (bounds.size() > 2) {
-    std::vector<size_t> next{0};
-    for (size_t b = 0; b + 1 < bounds.size(); b += 2) {
-      const size_t end = b + 2 < bounds.size() ? bounds[b + 2] : bounds[b + 1];
-      std::merge(keys.begin() + bounds[b], keys.begin() + bounds[b + 1],
-                 keys.begin() + bounds[b + 1], keys.begin() + end, merged.begin() + bounds[b]);
-      next.push_back(end);
+  RowSum<D> sum(dim);
+  while (true) {
+    int32_t row = kDone;
+    for (int64_t l = 0; l < blocks * kLanes; ++l) row = std::min(row, head_row[l]);
+    if (row == kDone) break;
+    bool first = true;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t* lanes = head_row.data() + b * kLanes;
+      uint32_t mask = 0;
+      for (int64_t l = 0; l < kLanes; ++l) mask |= static_cast<uint32_t>(lanes[l] == row) << l;
+      for (; mask != 0; mask &= mask - 1) {
+        const int64_t a = b * kLanes + __builtin_ctz(mask);
+        const float* g = grads + heads[a] * dim;
+        if (first) {
+          sum.Set(g);
+          first = false;
+        } else {
+          sum.Add(1.0f, g);
+        }
+        if (heads[a] + ahead < ends[a]) update.Prefetch(received[heads[a] + ahead]);
+        ++heads[a];
+        head_row[a] = heads[a] < ends[a] ? received[heads[a]] : kDone;
+      }
     }
-    keys.swap(merged);
-    bounds.swap(next);
-  }
-  const int64_t n = keys.size();
-  auto position_of = [&](int64_t k) { return static_cast<int64_t>(keys[k] & 0xffffffffu); };
-  // A row may come from every source, so the cursor runs over pairs, not
-  // rows: each pair's row is requested once, kPrefetchAhead pairs early.
-  int64_t requested = 0;
-  std::vector<float> sum(dim);
-  for (int64_t k = 0; k < n;) {
-    for (; requested < std::min(n, k + kPrefetchAhead); ++requested) {
-      prefetch(position_of(requested), position_of(requested) + 1);
-    }
-    const int64_t row = static_cast<int64_t>(keys[k] >> 32);
-    const float* first = grads + position_of(k) * dim;
-    std::copy(first, first + dim, sum.begin());
-    for (++k; k < n && static_cast<int64_t>(keys[k] >> 32) == row; ++k) {
-      const float* g = grads + position_of(k) * dim;
-      for (int64_t d = 0; d < dim; ++d) sum[d] += g[d];
-    }
-    apply(row, sum.data());
+    update.Apply(row, sum.data());
   }
 }
 
@@ -570,12 +597,25 @@ ffi::Error Apply(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32>& received, ffi::Bu
   const int64_t uniques = received.element_count() / runs;
   // Chunks cut the shard's rows; the work is the rows received.
   const int64_t chunks = ChunksFor(received.element_count());
-  ParallelFor(pool, chunks, [&](int64_t c) {
-    auto [row_begin, row_end] = ChunkOf(c, shard_rows, chunks);
-    MergeAndApply<rule>(received.typed_data(), grads.typed_data(), runs, uniques, dim,
-                        shard_rows, row_begin, row_end, learning_rate.typed_data()[0], epsilon,
-                        table_starts.typed_data(), table_dims.typed_data(),
-                        table_starts.element_count(), rows_per_partition, table, slot);
+  // The width a constant: a row's update and its gradients' sum stay in
+  // vector registers (the merge above took 35 ns per row at width 16, and
+  // 90 ns with the width known only at run time).
+  WithRowWidth(dim, [&](auto width) {
+    constexpr int64_t D = decltype(width)::value;
+    const RowUpdate<rule, D> update{dim,
+                                    learning_rate.typed_data()[0],
+                                    epsilon,
+                                    table_starts.typed_data(),
+                                    table_dims.typed_data(),
+                                    static_cast<int64_t>(table_starts.element_count()),
+                                    rows_per_partition,
+                                    table,
+                                    slot};
+    ParallelFor(pool, chunks, [&](int64_t c) {
+      auto [row_begin, row_end] = ChunkOf(c, shard_rows, chunks);
+      MergeAndApply<rule, D>(received.typed_data(), grads.typed_data(), runs, uniques, row_begin,
+                             row_end, update);
+    });
   });
   return ffi::Error::Success();
 }

@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 import embedding
 from embedding import _cpu_kernels
+from embedding._optimizers import RowWiseAdagradSlots, SGDSlots
 from embedding._stack_geometry import StackGeometry
 
 
@@ -119,14 +120,17 @@ def test_chunked_kernels_match_float64(optimizer, devices, monkeypatch):
     np.testing.assert_array_equal(got["t"][~touched], w[~touched].astype(np.float32))
 
 
-@pytest.mark.parametrize("runs", [1, 3, 5, 8])
-def test_update_merges_runs_in_run_order(runs, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("dim", [4, 16])
+@pytest.mark.parametrize("runs", [1, 3, 5, 8, 17, 40])
+def test_update_merges_runs_in_run_order(runs, dim, optimizer, monkeypatch):
     """The owner's merge of several ascending runs (some empty, rows repeated
-    across runs) sums each row's gradients once, against float64, and leaves
-    untouched rows bit for bit."""
+    across runs; more runs than one block of 16 lanes) sums each row's
+    gradients once, against float64, for a width known at compile time (16)
+    and one not (4), and leaves untouched rows and slots bit for bit."""
     monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
     assert _cpu_kernels.enabled("cpu")  # builds and registers them
-    rows, dim, uniques, lr = 50, 4, 12, np.float32(0.25)
+    rows, uniques, lr, initial, eps = 50, 12, np.float32(0.25), 0.1, 1e-8
     rng = np.random.default_rng(runs)
     received = np.full((runs, uniques), rows, np.int32)
     for r in range(runs):
@@ -136,9 +140,16 @@ def test_update_merges_runs_in_run_order(runs, monkeypatch):
         received[r, : len(chosen)] = chosen
     grads = rng.standard_normal((runs * uniques, dim)).astype(np.float32)
     table = rng.standard_normal((rows, dim)).astype(np.float32)
+    if optimizer == "sgd":
+        spec, slots = embedding.SGDOptimizerSpec(learning_rate=float(lr)), SGDSlots()
+    else:
+        spec = embedding.RowWiseAdagradOptimizerSpec(
+            learning_rate=float(lr), initial_accumulator_value=initial, epsilon=eps
+        )
+        slots = RowWiseAdagradSlots(rng.uniform(0.05, 2.0, rows).astype(np.float32))
     g = StackGeometry(
         name="t",
-        optimizer=embedding.SGDOptimizerSpec(learning_rate=float(lr)),
+        optimizer=spec,
         devices=runs,
         slots=1,
         rows=rows,
@@ -150,16 +161,24 @@ def test_update_merges_runs_in_run_order(runs, monkeypatch):
         features=(),
         table_dims=((0, dim),),
     )
-    updated, _ = jax.jit(
-        lambda t: _cpu_kernels.apply_update(
-            g.optimizer, jnp.asarray(received.reshape(-1)), jnp.asarray(grads), t, (), lr, g
+    updated, new_slots = jax.jit(
+        lambda t, s: _cpu_kernels.apply_update(
+            spec, jnp.asarray(received.reshape(-1)), jnp.asarray(grads), t, s, lr, g
         )
-    )(jnp.asarray(table))
+    )(jnp.asarray(table), jax.tree.map(jnp.asarray, slots))
     flat = received.reshape(-1)
     totals = np.zeros((rows, dim))
     np.add.at(totals, flat[flat < rows], grads[flat < rows].astype(np.float64))
     touched = np.isin(np.arange(rows), flat)
-    expected = table.astype(np.float64) - float(lr) * totals
+    if optimizer == "sgd":
+        expected = table.astype(np.float64) - float(lr) * totals
+    else:
+        accumulator = slots[0].astype(np.float64) + (totals**2).mean(axis=1)
+        expected = table - float(lr) * totals / (np.sqrt(accumulator) + eps)[:, None]
+        np.testing.assert_allclose(
+            np.asarray(new_slots[0])[touched], accumulator[touched], rtol=1e-5
+        )
+        np.testing.assert_array_equal(np.asarray(new_slots[0])[~touched], slots[0][~touched])
     np.testing.assert_allclose(
         np.asarray(updated)[touched], expected[touched], rtol=1e-5, atol=1e-6
     )
