@@ -134,6 +134,52 @@ class RowSum {
 
 int64_t RoundUp(int64_t x) { return (x + kAlignment - 1) / kAlignment * kAlignment; }
 
+// An exchanged buffer [S, G, U, W] (W = D for rows, 1 for row ids) as the
+// all-to-all leaves it: G pieces [S, U, W], piece h what device h sent. The
+// kernels that read it take the pieces as they are: joining them first was
+// one more copy of the whole buffer per exchange.
+template <ffi::DataType T>
+class Pieces {
+ public:
+  using Value = ffi::NativeType<T>;
+
+  // Pieces from args[first, first + devices), each holding slots * U rows of width W.
+  static ffi::ErrorOr<Pieces> Decode(const ffi::RemainingArgs& args, size_t first,
+                                     int64_t devices, int64_t slots, int64_t width) {
+    Pieces pieces;
+    int64_t count = -1;
+    for (int64_t h = 0; h < devices; ++h) {
+      auto piece = args.get<ffi::Buffer<T>>(first + h);
+      if (piece.has_error()) return ffi::Unexpected(piece.error());
+      if (count >= 0 && static_cast<int64_t>(piece->element_count()) != count) {
+        return ffi::Unexpected(ffi::Error::InvalidArgument("the exchanged pieces differ in size"));
+      }
+      count = piece->element_count();
+      pieces.data_.push_back(piece->typed_data());
+    }
+    if (devices < 1 || slots < 1 || count % (slots * width) != 0) {
+      return ffi::Unexpected(ffi::Error::InvalidArgument("the exchanged pieces are not whole runs"));
+    }
+    pieces.devices_ = devices;
+    pieces.uniques_ = count / (slots * width);
+    pieces.width_ = width;
+    return pieces;
+  }
+
+  int64_t uniques() const { return uniques_; }
+  int64_t runs(int64_t slots) const { return slots * devices_; }
+  // Run r = s * G + h: the U rows slot s received from device h.
+  const Value* Run(int64_t r) const {
+    return data_[r % devices_] + (r / devices_) * uniques_ * width_;
+  }
+
+ private:
+  std::vector<const Value*> data_;
+  int64_t devices_ = 0;
+  int64_t uniques_ = 0;
+  int64_t width_ = 0;
+};
+
 // Start and end of segment j = minibatch * N + partition in one slot's
 // layout: a segment starts where the one before it ends, rounded up to 8.
 struct Segment {
@@ -216,13 +262,17 @@ ffi::Error Route(ffi::Buffer<ffi::S32> row_pointers, ffi::Buffer<ffi::S32> ids,
   return ffi::Error::Success();
 }
 
-// out[m] = table[rows[m]], zero where rows[m] is out of range.
-ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table,
-                      ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
+// out float32[S * G * U, D], row (s * G + h) * U + u = table[the id piece h
+// holds at (s, u)], zero where the id is out of range.
+ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::RemainingArgs ids,
+                      ffi::ResultBuffer<ffi::F32> out, int64_t slots) {
+  auto pieces = Pieces<ffi::S32>::Decode(ids, 0, ids.size(), slots, 1);
+  if (pieces.has_error()) return pieces.error();
   const int64_t num_rows = table.dimensions()[0];
-  const int64_t n = rows.element_count();
+  const int64_t uniques = pieces->uniques();
+  const int64_t n = pieces->runs(slots) * uniques;
+  if (n != out->dimensions()[0]) return ffi::Error::InvalidArgument("gather: output size");
   const float* t = table.typed_data();
-  const int32_t* r = rows.typed_data();
   float* o = out->typed_data();
   const int64_t chunks = ChunksFor(n);
   // With the width a constant, a row's copy is a few vector moves, not a
@@ -232,15 +282,28 @@ ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table,
     const int64_t dim = width.value ? width.value : table.dimensions()[1];
     ParallelFor(pool, chunks, [&](int64_t c) {
       auto [begin, end] = ChunkOf(c, n, chunks);
-      for (int64_t m = begin; m < end; ++m) {
-        if (m + kPrefetchAhead < end) {
-          const int64_t ahead = r[m + kPrefetchAhead];
-          if (ahead >= 0 && ahead < num_rows) PrefetchRow<0>(t + ahead * dim, dim);
-        }
-        if (r[m] >= 0 && r[m] < num_rows) {
-          std::copy(t + r[m] * dim, t + r[m] * dim + dim, o + m * dim);
-        } else {
-          std::fill(o + m * dim, o + m * dim + dim, 0.0f);
+      auto id_at = [&](int64_t m) { return pieces->Run(m / uniques)[m % uniques]; };
+      for (int64_t m = begin; m < std::min(end, begin + kPrefetchAhead); ++m) {
+        const int64_t id = id_at(m);
+        if (id >= 0 && id < num_rows) PrefetchRow<0>(t + id * dim, dim);
+      }
+      // Walk the runs: one division per run, not per row.
+      for (int64_t m = begin; m < end;) {
+        const int64_t run = m / uniques;
+        const int32_t* run_ids = pieces->Run(run);
+        const int64_t run_end = std::min(end, (run + 1) * uniques);
+        for (; m < run_end; ++m) {
+          if (const int64_t a = m + kPrefetchAhead; a < end) {
+            const int64_t ahead =
+                a < (run + 1) * uniques ? run_ids[a - run * uniques] : id_at(a);
+            if (ahead >= 0 && ahead < num_rows) PrefetchRow<0>(t + ahead * dim, dim);
+          }
+          const int64_t id = run_ids[m - run * uniques];
+          if (id >= 0 && id < num_rows) {
+            std::copy(t + id * dim, t + id * dim + dim, o + m * dim);
+          } else {
+            std::fill(o + m * dim, o + m * dim + dim, 0.0f);
+          }
         }
       }
     });
@@ -258,15 +321,39 @@ ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table,
 // the samples.
 ffi::Error Pool(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index,
                 ffi::Buffer<ffi::S32> samples, ffi::Buffer<ffi::F32> gains,
-                ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> pooled) {
+                ffi::RemainingArgs rows, ffi::ResultBuffer<ffi::F32> pooled) {
   const int64_t slots = pooled->dimensions()[0];
   const int64_t num_samples = pooled->dimensions()[1];
   const int64_t dim = pooled->dimensions()[2];
   const int64_t capacity = entry_index.element_count() / slots;
-  const int64_t num_rows = rows.dimensions()[0];
-  const float* row_data = rows.typed_data();
+  auto pieces = Pieces<ffi::F32>::Decode(rows, 0, rows.size(), slots, dim);
+  if (pieces.has_error()) return pieces.error();
+  const int64_t uniques = pieces->uniques();
+  const int64_t num_rows = pieces->runs(slots) * uniques;
+  // The row that entry index i names, in its piece. Indices ascend along a
+  // slot (runs in order, rows in order within a run), so the run is looked
+  // up again only where it changes. With one run (one device, one slot), the
+  // rows are listed by index: 4 bytes each instead of a pointer's 8, for the
+  // largest lists there are.
+  const bool one_run = pieces->runs(slots) == 1;
+  int64_t run_begin = 0, run_end = 0;
+  const float* run_rows = nullptr;
+  auto row_of = [&](int64_t i) {
+    if (i < run_begin || i >= run_end) {
+      const int64_t run = i / uniques;
+      run_begin = run * uniques;
+      run_end = run_begin + uniques;
+      run_rows = pieces->Run(run);
+    }
+    return run_rows + (i - run_begin) * dim;
+  };
   std::vector<int32_t> starts(num_samples + 1);
-  std::vector<int32_t> sorted_rows(capacity);
+  std::vector<int32_t> sorted_index(one_run ? capacity : 0);
+  std::vector<const float*> sorted_rows(one_run ? 0 : capacity);
+  const float* only_run = one_run ? pieces->Run(0) : nullptr;
+  auto sorted_row = [&](int64_t k) {
+    return one_run ? only_run + sorted_index[k] * dim : sorted_rows[k];
+  };
   std::vector<float> sorted_gains(capacity);
   for (int64_t s = 0; s < slots; ++s) {
     const int32_t* index = entry_index.typed_data() + s * capacity;
@@ -285,7 +372,11 @@ ffi::Error Pool(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index,
     for (int64_t e = 0; e < capacity; ++e) {
       if (!valid(e)) continue;
       const int32_t position = next[sample_of[e]]++;
-      sorted_rows[position] = index[e];
+      if (one_run) {
+        sorted_index[position] = index[e];
+      } else {
+        sorted_rows[position] = row_of(index[e]);
+      }
       sorted_gains[position] = gain_of[e];
     }
     float* out = pooled->typed_data() + s * num_samples * dim;
@@ -294,7 +385,7 @@ ffi::Error Pool(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index,
       auto [begin, end] = ChunkOf(c, num_samples, chunks);
       const int64_t last = starts[end];
       for (int64_t k = starts[begin]; k < std::min(last, starts[begin] + kPrefetchAhead); ++k) {
-        PrefetchRow<0>(row_data + sorted_rows[k] * dim, dim);
+        PrefetchRow<0>(sorted_row(k), dim);
       }
       WithRowWidth(dim, [&](auto width) {
         RowSum<decltype(width)::value> sum(dim);
@@ -302,9 +393,9 @@ ffi::Error Pool(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index,
           sum.Clear();
           for (int64_t k = starts[p]; k < starts[p + 1]; ++k) {
             if (k + kPrefetchAhead < last) {
-              PrefetchRow<0>(row_data + sorted_rows[k + kPrefetchAhead] * dim, dim);
+              PrefetchRow<0>(sorted_row(k + kPrefetchAhead), dim);
             }
-            sum.Add(sorted_gains[k], row_data + sorted_rows[k] * dim);
+            sum.Add(sorted_gains[k], sorted_row(k));
           }
           sum.Store(out + p * dim);
         }
@@ -370,6 +461,12 @@ ffi::Error PoolTranspose(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index
           const int64_t slot = e / capacity;
           slot_grads = grads.typed_data() + slot * num_samples * dim;
           slot_end = (slot + 1) * capacity;
+        }
+        // Samples come in row order, that is at random: request the
+        // gradient of the sample kPrefetchAhead entries on.
+        if (const int64_t a = e + kPrefetchAhead; a < slot_end) {
+          const int64_t ahead = samples.typed_data()[a];
+          if (ahead >= 0 && ahead < num_samples) PrefetchRow<0>(slot_grads + ahead * dim, dim);
         }
         if (!in_range(e)) continue;
         const int64_t u = index[e];
@@ -470,31 +567,35 @@ struct RowUpdate {
 // the caches) this took 35 ns per row where collecting (row, position) keys
 // and merging them pairwise took 57 ns; on one run of 150k rows, 25 against 31.
 template <Rule rule, int64_t D>
-void MergeAndApply(const int32_t* received, const float* grads, int64_t runs, int64_t uniques,
+void MergeAndApply(const Pieces<ffi::S32>& received, const Pieces<ffi::F32>& grads, int64_t runs,
                    int64_t row_begin, int64_t row_end, const RowUpdate<rule, D>& update) {
   const int64_t dim = update.width();
-  // Position and end of every run holding rows of the range.
-  std::vector<int64_t> heads, ends;
+  const int64_t uniques = received.uniques();
+  // Every run holding rows of the range: its rows and gradients from its
+  // first such row, and how many there are.
+  std::vector<const int32_t*> run_rows;
+  std::vector<const float*> run_grads;
+  std::vector<int64_t> counts;
   for (int64_t r = 0; r < runs; ++r) {
-    const int32_t* run = received + r * uniques;
-    const int64_t begin = std::lower_bound(run, run + uniques, row_begin) - received;
-    const int64_t end = std::lower_bound(run, run + uniques, row_end) - received;
+    const int32_t* run = received.Run(r);
+    const int64_t begin = std::lower_bound(run, run + uniques, row_begin) - run;
+    const int64_t end = std::lower_bound(run, run + uniques, row_end) - run;
     if (begin < end) {
-      heads.push_back(begin);
-      ends.push_back(end);
+      run_rows.push_back(run + begin);
+      run_grads.push_back(grads.Run(r) + begin * dim);
+      counts.push_back(end - begin);
     }
   }
-  const int64_t k = heads.size();
+  const int64_t k = counts.size();
   if (k == 0) return;
   if (k == 1) {
     // One source (one device, one slot): every row comes once.
-    const int64_t begin = heads[0], end = ends[0];
-    for (int64_t i = begin; i < std::min(end, begin + kPrefetchAhead); ++i) {
-      update.Prefetch(received[i]);
-    }
-    for (int64_t i = begin; i < end; ++i) {
-      if (i + kPrefetchAhead < end) update.Prefetch(received[i + kPrefetchAhead]);
-      update.Apply(received[i], grads + i * dim);
+    const int32_t* rows = run_rows[0];
+    const int64_t n = counts[0];
+    for (int64_t i = 0; i < std::min(n, kPrefetchAhead); ++i) update.Prefetch(rows[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) update.Prefetch(rows[i + kPrefetchAhead]);
+      update.Apply(rows[i], run_grads[0] + i * dim);
     }
     return;
   }
@@ -505,12 +606,11 @@ void MergeAndApply(const int32_t* received, const float* grads, int64_t runs, in
   constexpr int64_t kLanes = 16;
   constexpr int32_t kDone = std::numeric_limits<int32_t>::max();
   const int64_t blocks = (k + kLanes - 1) / kLanes;
+  std::vector<int64_t> heads(k, 0);
   std::vector<int32_t> head_row(blocks * kLanes, kDone);
   for (int64_t a = 0; a < k; ++a) {
-    head_row[a] = received[heads[a]];
-    for (int64_t i = heads[a]; i < std::min(ends[a], heads[a] + ahead); ++i) {
-      update.Prefetch(received[i]);
-    }
+    head_row[a] = run_rows[a][0];
+    for (int64_t i = 0; i < std::min(counts[a], ahead); ++i) update.Prefetch(run_rows[a][i]);
   }
   RowSum<D> sum(dim);
   while (true) {
@@ -524,16 +624,19 @@ void MergeAndApply(const int32_t* received, const float* grads, int64_t runs, in
       for (int64_t l = 0; l < kLanes; ++l) mask |= static_cast<uint32_t>(lanes[l] == row) << l;
       for (; mask != 0; mask &= mask - 1) {
         const int64_t a = b * kLanes + __builtin_ctz(mask);
-        const float* g = grads + heads[a] * dim;
+        const int64_t i = heads[a]++;
+        const float* g = run_grads[a] + i * dim;
         if (first) {
           sum.Set(g);
           first = false;
         } else {
           sum.Add(1.0f, g);
         }
-        if (heads[a] + ahead < ends[a]) update.Prefetch(received[heads[a] + ahead]);
-        ++heads[a];
-        head_row[a] = heads[a] < ends[a] ? received[heads[a]] : kDone;
+        if (i + ahead < counts[a]) {
+          update.Prefetch(run_rows[a][i + ahead]);
+          PrefetchRow<0>(run_grads[a] + (i + ahead) * dim, dim);
+        }
+        head_row[a] = i + 1 < counts[a] ? run_rows[a][i + 1] : kDone;
       }
     }
     update.Apply(row, sum.data());
@@ -587,16 +690,22 @@ void CopyUnlessAliased(ffi::Buffer<ffi::F32>& in, ffi::ResultBuffer<ffi::F32>& o
 }
 
 template <Rule rule>
-ffi::Error Apply(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32>& received, ffi::Buffer<ffi::F32>& grads,
-                 ffi::Buffer<ffi::F32>& learning_rate, ffi::Buffer<ffi::S32>& table_starts,
-                 ffi::Buffer<ffi::S32>& table_dims, float* table, int64_t shard_rows, int64_t dim,
-                 float* slot, int64_t runs, int64_t rows_per_partition, float epsilon) {
-  if (runs < 1 || received.element_count() % runs != 0) {
-    return ffi::Error::InvalidArgument("the received rows are not whole runs");
+ffi::Error Apply(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& learning_rate,
+                 ffi::Buffer<ffi::S32>& table_starts, ffi::Buffer<ffi::S32>& table_dims,
+                 const ffi::RemainingArgs& received, float* table, int64_t shard_rows, int64_t dim,
+                 float* slot, int64_t slots, int64_t rows_per_partition, float epsilon) {
+  // The received rows' pieces, then their gradients' pieces, one per device.
+  const int64_t devices = received.size() / 2;
+  auto rows = Pieces<ffi::S32>::Decode(received, 0, devices, slots, 1);
+  if (rows.has_error()) return rows.error();
+  auto grads = Pieces<ffi::F32>::Decode(received, devices, devices, slots, dim);
+  if (grads.has_error()) return grads.error();
+  if (2 * devices != static_cast<int64_t>(received.size()) || grads->uniques() != rows->uniques()) {
+    return ffi::Error::InvalidArgument("the received rows and gradients do not match");
   }
-  const int64_t uniques = received.element_count() / runs;
+  const int64_t runs = rows->runs(slots);
   // Chunks cut the shard's rows; the work is the rows received.
-  const int64_t chunks = ChunksFor(received.element_count());
+  const int64_t chunks = ChunksFor(runs * rows->uniques());
   // The width a constant: a row's update and its gradients' sum stay in
   // vector registers (the merge above took 35 ns per row at width 16, and
   // 90 ns with the width known only at run time).
@@ -613,36 +722,35 @@ ffi::Error Apply(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32>& received, ffi::Bu
                                     slot};
     ParallelFor(pool, chunks, [&](int64_t c) {
       auto [row_begin, row_end] = ChunkOf(c, shard_rows, chunks);
-      MergeAndApply<rule, D>(received.typed_data(), grads.typed_data(), runs, uniques, row_begin,
-                             row_end, update);
+      MergeAndApply<rule, D>(*rows, *grads, runs, row_begin, row_end, update);
     });
   });
   return ffi::Error::Success();
 }
 
-ffi::Error UpdateSgd(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> received, ffi::Buffer<ffi::F32> grads,
-                     ffi::Buffer<ffi::F32> learning_rate, ffi::Buffer<ffi::S32> table_starts,
-                     ffi::Buffer<ffi::S32> table_dims, ffi::Buffer<ffi::F32> table_in,
-                     ffi::ResultBuffer<ffi::F32> table, int64_t runs, int64_t rows_per_partition,
-                     float epsilon) {
+ffi::Error UpdateSgd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> learning_rate,
+                     ffi::Buffer<ffi::S32> table_starts, ffi::Buffer<ffi::S32> table_dims,
+                     ffi::Buffer<ffi::F32> table_in, ffi::RemainingArgs received,
+                     ffi::ResultBuffer<ffi::F32> table, int64_t slots,
+                     int64_t rows_per_partition, float epsilon) {
   CopyUnlessAliased(table_in, table);
-  return Apply<Rule::kSgd>(pool, received, grads, learning_rate, table_starts, table_dims,
+  return Apply<Rule::kSgd>(pool, learning_rate, table_starts, table_dims, received,
                            table->typed_data(), table->dimensions()[0], table->dimensions()[1],
-                           nullptr, runs, rows_per_partition, epsilon);
+                           nullptr, slots, rows_per_partition, epsilon);
 }
 
 template <Rule rule>
-ffi::Error UpdateWithSlot(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> received, ffi::Buffer<ffi::F32> grads,
-                          ffi::Buffer<ffi::F32> learning_rate, ffi::Buffer<ffi::S32> table_starts,
-                          ffi::Buffer<ffi::S32> table_dims, ffi::Buffer<ffi::F32> table_in,
-                          ffi::Buffer<ffi::F32> slot_in, ffi::ResultBuffer<ffi::F32> table,
-                          ffi::ResultBuffer<ffi::F32> slot, int64_t runs,
+ffi::Error UpdateWithSlot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> learning_rate,
+                          ffi::Buffer<ffi::S32> table_starts, ffi::Buffer<ffi::S32> table_dims,
+                          ffi::Buffer<ffi::F32> table_in, ffi::Buffer<ffi::F32> slot_in,
+                          ffi::RemainingArgs received, ffi::ResultBuffer<ffi::F32> table,
+                          ffi::ResultBuffer<ffi::F32> slot, int64_t slots,
                           int64_t rows_per_partition, float epsilon) {
   CopyUnlessAliased(table_in, table);
   CopyUnlessAliased(slot_in, slot);
-  return Apply<rule>(pool, received, grads, learning_rate, table_starts, table_dims,
+  return Apply<rule>(pool, learning_rate, table_starts, table_dims, received,
                      table->typed_data(), table->dimensions()[0], table->dimensions()[1],
-                     slot->typed_data(), runs, rows_per_partition, epsilon);
+                     slot->typed_data(), slots, rows_per_partition, epsilon);
 }
 
 }  // namespace
@@ -675,53 +783,59 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfGatherRows, GatherRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("slots"));
+
+// Pool takes entry index, samples, gains and the rows' pieces; its
+// transpose the same three and the samples' gradients.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPool, Pool,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Pool and its transpose take the same operands: entry index, samples,
-// gains, and the rows (or the samples' gradients).
-static auto PoolBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Ret<ffi::Buffer<ffi::F32>>();
-}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPoolTranspose, PoolTranspose,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
-// The operands every update shares: received rows and gradients, learning
-// rate, the stack's table starts and dims, and the table.
+// The operands every update starts with: learning rate, the stack's table
+// starts and dims, and the table.
 static auto UpdateBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::F32>>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPool, Pool, PoolBinding());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPoolTranspose, PoolTranspose, PoolBinding());
-
+// Then the received rows' and gradients' pieces.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfUpdateSgd, UpdateSgd,
                               UpdateBinding()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("runs")
+                                  .Attr<int64_t>("slots")
                                   .Attr<int64_t>("rows_per_partition")
                                   .Attr<float>("epsilon"));
 
-// With a slot: one more operand (the slot) and one more result.
-#define SF_UPDATE_WITH_SLOT_HANDLER(name, rule)                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, UpdateWithSlot<rule>,        \
-                                UpdateBinding()                    \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  \
-                                    .Ret<ffi::Buffer<ffi::F32>>()  \
-                                    .Ret<ffi::Buffer<ffi::F32>>()  \
-                                    .Attr<int64_t>("runs")         \
+// With a slot: one more operand (the slot, before the pieces) and one more result.
+#define SF_UPDATE_WITH_SLOT_HANDLER(name, rule)                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, UpdateWithSlot<rule>,             \
+                                UpdateBinding()                         \
+                                    .Arg<ffi::Buffer<ffi::F32>>()       \
+                                    .RemainingArgs()                    \
+                                    .Ret<ffi::Buffer<ffi::F32>>()       \
+                                    .Ret<ffi::Buffer<ffi::F32>>()       \
+                                    .Attr<int64_t>("slots")             \
                                     .Attr<int64_t>("rows_per_partition") \
                                     .Attr<float>("epsilon"));
 

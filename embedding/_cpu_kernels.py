@@ -13,6 +13,10 @@ received rows (`benchmarks/lookup.py` measures the difference):
 * `apply_update`: the owner merges the sorted runs of rows it received and
   applies SGD, Adagrad or row-wise Adagrad once per row, in place.
 
+The kernels that read an exchanged buffer (the gather, the pooling, the
+update) take it in the pieces the all-to-all leaves, one per device, so that
+XLA does not join them into one buffer first.
+
 The pure-JAX path (`_lookup.py`, `_update.py`) stays the reference and the
 path of every other platform; set `SPARSEFLOW_CPU_KERNELS=0` to use it on CPU
 too. The library is compiled with the machine's C++ compiler on first use
@@ -26,6 +30,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -194,16 +199,27 @@ def route(row_pointers: jax.Array, ids: jax.Array, minibatch, g) -> tuple[jax.Ar
     )
 
 
+def _pieces(x: jax.Array) -> list[jax.Array]:
+    """`[S, G, ...]` as G arrays `[S, ...]`, what each device sent.
+
+    Straight after an all-to-all these are its results as they are (XLA
+    drops the join and the cut), so a kernel that takes the pieces reads the
+    exchanged buffer without a copy.
+    """
+    return [x[:, h] for h in range(x.shape[1])]
+
+
 @jax.custom_vjp
 def gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
-    """`float32[M, D]`: `table[rows]`, zero for rows out of range (`int32[M]`).
+    """`float32[S * G * U, D]`: `table[rows]`, zero for rows out of range
+    (`int32[S, G, U]`, as an all-to-all received them).
 
     Differentiable with respect to `table` (a scatter-add, as XLA's gather).
     """
     return jax.ffi.ffi_call(
         "sparseflow_gather_rows",
-        _result((rows.shape[0], table.shape[1]), jnp.float32, rows),
-    )(table, rows)
+        _result((rows.size, table.shape[1]), jnp.float32, rows),
+    )(table, *_pieces(rows), slots=_i64(rows.shape[0]))
 
 
 def _gather_rows_forward(table, rows):
@@ -212,7 +228,7 @@ def _gather_rows_forward(table, rows):
 
 def _gather_rows_backward(residuals, grads):
     rows, shape = residuals
-    table_grads = jnp.zeros(shape, grads.dtype).at[rows].add(grads, mode="drop")
+    table_grads = jnp.zeros(shape, grads.dtype).at[rows.reshape(-1)].add(grads, mode="drop")
     return table_grads, np.zeros(rows.shape, jax.dtypes.float0)
 
 
@@ -223,8 +239,8 @@ def _pool(entry_index, samples, gains, rows, num_samples):
     slots = entry_index.shape[0]
     return jax.ffi.ffi_call(
         "sparseflow_pool",
-        _result((slots, num_samples, rows.shape[1]), jnp.float32, entry_index),
-    )(entry_index, samples, gains, rows)
+        _result((slots, num_samples, rows.shape[-1]), jnp.float32, entry_index),
+    )(entry_index, samples, gains, *_pieces(rows))
 
 
 def pool_transpose(entry_index, samples, gains, grads, num_rows: int) -> jax.Array:
@@ -244,7 +260,8 @@ def pool(entry_index, samples, gains, rows, num_samples: int) -> jax.Array:
       entry_index: `int32[S, C]` from `route`.
       samples: `int32[S * C]` each entry's sample in its slot.
       gains: `float32[S * C]`.
-      rows: `float32[S * G * U, D]` the distinct rows in `route`'s order.
+      rows: `float32[S, G, U, D]` the distinct rows in `route`'s order, as
+        their owners sent them.
       num_samples: P.
 
     Differentiable with respect to `rows` (by `pool_transpose`).
@@ -257,15 +274,15 @@ def _pool_forward(entry_index, samples, gains, rows, num_samples):
         entry_index,
         samples,
         gains,
-        rows.shape[0],
+        rows.shape,
     )
 
 
 def _pool_backward(num_samples, residuals, grads):
     del num_samples
-    entry_index, samples, gains, num_rows = residuals
-    row_grads = pool_transpose(entry_index, samples, gains, grads, num_rows)
-    return None, None, None, row_grads
+    entry_index, samples, gains, shape = residuals
+    row_grads = pool_transpose(entry_index, samples, gains, grads, math.prod(shape[:-1]))
+    return None, None, None, row_grads.reshape(shape)
 
 
 pool.defvjp(_pool_forward, _pool_backward)
@@ -284,9 +301,10 @@ def apply_update(
 
     Args:
       optimizer: SGD, Adagrad or row-wise Adagrad (`updates_in_kernel`).
-      received_rows: `int32[S * G * U]`: runs of U shard rows, one per source
-        slot and device, each ascending and padded with `S * R`.
-      received_grads: `float32[S * G * U, D]` the rows' gradients.
+      received_rows: `int32[S, G, U]`, as the all-to-all received them: runs
+        of U shard rows, one per slot and source device, each ascending and
+        padded with `S * R`.
+      received_grads: `float32[S, G, U, D]` the rows' gradients.
       table: `float32[S * R, D]`, this device's shard (donated).
       slots: the optimizer's slots of the shard (donated).
       learning_rate: scalar.
@@ -301,15 +319,15 @@ def apply_update(
     outputs = jax.ffi.ffi_call(
         _UPDATE_TARGETS[type(optimizer)],
         tuple(_result(x.shape, x.dtype, x) for x in state),
-        input_output_aliases={5 + i: i for i in range(len(state))},
+        input_output_aliases={3 + i: i for i in range(len(state))},
     )(
-        received_rows,
-        received_grads,
         jnp.asarray(learning_rate, jnp.float32).reshape(1),
         starts,
         dims,
         *state,
-        runs=_i64(g.slots * g.devices),
+        *_pieces(received_rows),
+        *_pieces(received_grads),
+        slots=_i64(received_rows.shape[0]),
         rows_per_partition=_i64(g.rows),
         epsilon=np.float32(getattr(optimizer, "epsilon", 0.0)),
     )

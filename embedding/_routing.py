@@ -245,7 +245,7 @@ def gather_owned(table: jax.Array, owned: jax.Array, g: StackGeometry, kernels: 
     """`float32[S, G, U, D]`: the owner's rows `owned` (`int32[S, G, U]`),
     zero where unused."""
     if kernels:
-        rows = _cpu_kernels.gather_rows(table, owned.reshape(-1))
+        rows = _cpu_kernels.gather_rows(table, owned)
         return rows.reshape(g.slots, g.devices, g.uniques, g.dim)
     return table.at[owned].get(mode="fill", fill_value=0)
 
@@ -255,9 +255,7 @@ def pool(stack: StackInput, plan: MinibatchPlan, rows: jax.Array, g: StackGeomet
     received from their owners), scaled by gain and summed per sample."""
     if stack.entries is None:
         layout = stack.layout
-        return _cpu_kernels.pool(
-            plan.routing, layout.sample_ids, layout.gains, rows.reshape(-1, g.dim), g.samples
-        )
+        return _cpu_kernels.pool(plan.routing, layout.sample_ids, layout.gains, rows, g.samples)
     entries, routing = stack.entries, plan.routing
     slot = _slot_index(g)
     per_entry = rows.at[slot, routing.dest, routing.unique].get(mode="fill", fill_value=0)

@@ -95,8 +95,8 @@ def _owner_update(
     """Merges the gradients of each received row and applies the optimizer.
 
     Args:
-      rows: `int32[S * G * U]` shard rows (`S * R` where unused).
-      received: `float32[S * G * U, D]` their gradients.
+      rows: `int32[S, G, U]` shard rows (`S * R` where unused), as received.
+      received: `float32[S, G, U, D]` their gradients.
     """
     if kernels and _cpu_kernels.updates_in_kernel(g.optimizer):
         return EmbeddingVariables(
@@ -104,6 +104,7 @@ def _owner_update(
                 g.optimizer, rows, received, variables.table, variables.slots, learning_rate, g
             )
         )
+    rows, received = rows.reshape(-1), received.reshape(-1, g.dim)
     first, merged = merge_duplicate_rows(rows, received, g.shard_rows)
     target = jnp.where(first, rows, g.shard_rows)
     old_rows = variables.table.at[target].get(mode="fill", fill_value=0)
@@ -174,7 +175,7 @@ def update_stacks(
             axis,
         )
         return tuple(
-            _owner_update(owned.reshape(-1), got.reshape(-1, g.dim), v, lr, step, g, kernels)
+            _owner_update(owned, got, v, lr, step, g, kernels)
             for owned, got, v, lr, g in zip(rows, received, current, learning_rates, geometries)
         )
 

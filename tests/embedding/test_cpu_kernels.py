@@ -163,7 +163,13 @@ def test_update_merges_runs_in_run_order(runs, dim, optimizer, monkeypatch):
     )
     updated, new_slots = jax.jit(
         lambda t, s: _cpu_kernels.apply_update(
-            spec, jnp.asarray(received.reshape(-1)), jnp.asarray(grads), t, s, lr, g
+            spec,
+            jnp.asarray(received.reshape(1, runs, uniques)),
+            jnp.asarray(grads.reshape(1, runs, uniques, dim)),
+            t,
+            s,
+            lr,
+            g,
         )
     )(jnp.asarray(table), jax.tree.map(jnp.asarray, slots))
     flat = received.reshape(-1)
@@ -188,14 +194,15 @@ def test_update_merges_runs_in_run_order(runs, dim, optimizer, monkeypatch):
 @pytest.mark.parametrize("dim", [8, 12])
 @pytest.mark.parametrize("entries", [40, 40_000])
 def test_pool_and_its_transpose_against_float64(entries, dim, monkeypatch):
-    """Pooling by sample and its transpose by row, on entries with holes
+    """Pooling by sample and its transpose by row (the rows in one piece per
+    device, as an all-to-all leaves them), on entries with holes
     (-1 rows, also between two entries of one row; padded samples), rows no
     entry names (their gradient is exactly zero), at 40k entries per slot work
     cut into chunks, and rows of a width known at compile time (8) or not (12)."""
     monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
     assert _cpu_kernels.enabled("cpu")
-    slots, num_samples = 2, 300
-    num_rows = entries // 2
+    slots, devices, num_samples = 2, 2, 300
+    num_rows = entries // 2  # slots * devices * uniques
     rng = np.random.default_rng(entries)
     # Rows ascend along the layout (slot after slot), as the route gives them.
     index = np.sort(rng.integers(0, num_rows, (slots, entries)).reshape(-1)).reshape(slots, -1)
@@ -208,7 +215,9 @@ def test_pool_and_its_transpose_against_float64(entries, dim, monkeypatch):
 
     pooled, row_grads = jax.jit(
         lambda r, g: (
-            _cpu_kernels.pool(index, samples, gains, r, num_samples),
+            _cpu_kernels.pool(
+                index, samples, gains, r.reshape(slots, devices, -1, dim), num_samples
+            ),
             _cpu_kernels.pool_transpose(index, samples, gains, g, num_rows),
         )
     )(rows, sample_grads)
