@@ -652,11 +652,16 @@ void MergeAndApply(const Pieces<ffi::S32>& received, const Pieces<ffi::F32>& gra
 // hides little: an update of 160k random rows of 64 bytes in 512 MiB took
 // 27 ms on 4 KiB pages and 11 ms on 2 MiB pages (prefetching 16 rows ahead,
 // same machine and run). So the variables ask for transparent huge pages:
-// madvise(MADV_HUGEPAGE) for pages not yet touched, and, once per buffer
-// that stays in place from step to step (donated and aliased), a synchronous
-// MADV_COLLAPSE of the pages already there (about 6 ms per MiB, once). It is
-// advice: where the kernel refuses it, nothing changes but the speed.
-// SPARSEFLOW_HUGE_PAGES=0 in the environment turns it off.
+// madvise(MADV_HUGEPAGE) for pages not yet touched, and, for a buffer that
+// stays in place from step to step (donated and aliased), a synchronous
+// MADV_COLLAPSE of the pages already there, at every call. The first
+// collapse of a buffer takes time (22 ms for 64 MiB here); on pages already
+// huge it returns at once (5-10 us for 64 MiB). Remembering which buffers
+// were collapsed is not enough: a buffer freed and made again at the same
+// address (variables restored, or made for another model) comes back on
+// 4 KiB pages, and the step took twice as long. It is advice: where the
+// kernel refuses it, nothing changes but the speed. SPARSEFLOW_HUGE_PAGES=0
+// in the environment turns it off.
 void AdviseHugePages(void* data, size_t bytes, bool collapse) {
   static const bool enabled = [] {
     const char* setting = std::getenv("SPARSEFLOW_HUGE_PAGES");
@@ -669,15 +674,19 @@ void AdviseHugePages(void* data, size_t bytes, bool collapse) {
   if (end <= begin) return;
   static std::mutex mutex;
   static std::set<std::pair<uintptr_t, uintptr_t>> advised;
+  bool known;
   {
     std::lock_guard<std::mutex> lock(mutex);
     // Buffers that move every step (not aliased) are advised each time they
     // are new; forget them before the set grows without bound.
     if (advised.size() > 256) advised.clear();
-    if (!advised.insert({begin, end}).second) return;
+    known = !advised.insert({begin, end}).second;
   }
   void* start = reinterpret_cast<void*>(begin);
-  madvise(start, end - begin, MADV_HUGEPAGE);
+  // Setting the flag again takes the address space's write lock, which every
+  // page fault of every device waits for; a stale entry only leaves pages
+  // faulted later on 4 KiB pages, and the next collapse gathers them.
+  if (!known) madvise(start, end - begin, MADV_HUGEPAGE);
   if (collapse) madvise(start, end - begin, MADV_COLLAPSE);
 }
 

@@ -1,5 +1,7 @@
 """The CPU kernels: building them, and their work split into chunks."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +236,72 @@ def test_pool_and_its_transpose_against_float64(entries, dim, monkeypatch):
     unnamed = ~np.isin(np.arange(num_rows), u)
     assert unnamed.any()
     assert (np.asarray(row_grads)[unnamed] == 0).all()
+
+
+def _huge_page_kib(address: int) -> int | None:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), or
+    None where the file is missing."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            inside = low <= address < high
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1])
+    return None
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "missing"
+    return text.split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_a_table_made_again_at_a_freed_address_gets_huge_pages(monkeypatch):
+    """The update asks for huge pages on the table it updates in place; a
+    table made after an earlier one was freed, at the same address (as a
+    restore or a second model in one process makes it), gets them too."""
+    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
+    monkeypatch.delenv("SPARSEFLOW_HUGE_PAGES", raising=False)
+    assert _cpu_kernels.enabled("cpu")
+    rows, dim, uniques = 1 << 19, 16, 8  # a 32 MiB table
+    g = StackGeometry(
+        name="t",
+        optimizer=embedding.SGDOptimizerSpec(learning_rate=0.5),
+        devices=1,
+        slots=1,
+        rows=rows,
+        dim=dim,
+        capacity=uniques,
+        minibatches=1,
+        uniques=uniques,
+        samples=1,
+        features=(),
+        table_dims=((0, dim),),
+    )
+    received = jnp.arange(uniques, dtype=jnp.int32).reshape(1, 1, uniques)
+    grads = jnp.ones((1, 1, uniques, dim), jnp.float32)
+    update = jax.jit(
+        lambda t: _cpu_kernels.apply_update(g.optimizer, received, grads, t, SGDSlots(), 0.5, g)[0],
+        donate_argnums=0,
+    )
+    addresses, huge = [], []
+    for _ in range(4):
+        table = update(jnp.zeros((rows, dim), jnp.float32))
+        table.block_until_ready()
+        addresses.append(table.unsafe_buffer_pointer())
+        # Only whole 2 MiB pages inside the buffer can be huge.
+        huge.append(_huge_page_kib(-(-addresses[-1] // (2 << 20)) * (2 << 20)))
+        np.testing.assert_array_equal(np.asarray(table[:uniques]), -0.5)
+        del table
+    if len(set(addresses)) == len(addresses):
+        pytest.skip("no table was made at a freed table's address")
+    assert None not in huge and min(huge) > 0, f"AnonHugePages (KiB) by table: {huge}"
