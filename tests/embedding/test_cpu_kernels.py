@@ -122,6 +122,24 @@ def test_chunked_kernels_match_float64(optimizer, devices, monkeypatch):
     np.testing.assert_array_equal(got["t"][~touched], w[~touched].astype(np.float32))
 
 
+def _owner_geometry(optimizer, devices, rows, dim, uniques):
+    """One table of `rows` rows, one slot per device: what `apply_update` needs."""
+    return StackGeometry(
+        name="t",
+        optimizer=optimizer,
+        devices=devices,
+        slots=1,
+        rows=rows,
+        dim=dim,
+        capacity=uniques,
+        minibatches=1,
+        uniques=uniques,
+        samples=1,
+        features=(),
+        table_dims=((0, dim),),
+    )
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("dim", [4, 16])
 @pytest.mark.parametrize("runs", [1, 3, 5, 8, 17, 40])
@@ -149,20 +167,7 @@ def test_update_merges_runs_in_run_order(runs, dim, optimizer, monkeypatch):
             learning_rate=float(lr), initial_accumulator_value=initial, epsilon=eps
         )
         slots = RowWiseAdagradSlots(rng.uniform(0.05, 2.0, rows).astype(np.float32))
-    g = StackGeometry(
-        name="t",
-        optimizer=spec,
-        devices=runs,
-        slots=1,
-        rows=rows,
-        dim=dim,
-        capacity=uniques,
-        minibatches=1,
-        uniques=uniques,
-        samples=1,
-        features=(),
-        table_dims=((0, dim),),
-    )
+    g = _owner_geometry(spec, runs, rows, dim, uniques)
     updated, new_slots = jax.jit(
         lambda t, s: _cpu_kernels.apply_update(
             spec,
@@ -273,20 +278,7 @@ def test_a_table_made_again_at_a_freed_address_gets_huge_pages(monkeypatch):
     monkeypatch.delenv("SPARSEFLOW_HUGE_PAGES", raising=False)
     assert _cpu_kernels.enabled("cpu")
     rows, dim, uniques = 1 << 19, 16, 8  # a 32 MiB table
-    g = StackGeometry(
-        name="t",
-        optimizer=embedding.SGDOptimizerSpec(learning_rate=0.5),
-        devices=1,
-        slots=1,
-        rows=rows,
-        dim=dim,
-        capacity=uniques,
-        minibatches=1,
-        uniques=uniques,
-        samples=1,
-        features=(),
-        table_dims=((0, dim),),
-    )
+    g = _owner_geometry(embedding.SGDOptimizerSpec(learning_rate=0.5), 1, rows, dim, uniques)
     received = jnp.arange(uniques, dtype=jnp.int32).reshape(1, 1, uniques)
     grads = jnp.ones((1, 1, uniques, dim), jnp.float32)
     update = jax.jit(
