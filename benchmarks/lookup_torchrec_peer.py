@@ -27,7 +27,7 @@ Commands (the line protocol of `_line_protocol.py`; anything the libraries
 print goes to stderr):
   * `setup <optimizer>`: builds the model (dropping the previous one), runs
     one step on batch 0 and checks it against a float64 numpy step from the
-    same initial rows: every touched row (and its accumulator) within 1e-5 of
+    same initial rows: every touched row (and its accumulator) within 1e-4 of
     the row's largest reference value, every other row bitwise unchanged. A
     failed check answers `ok: false` with `CheckFailed: ...` and leaves no
     model, so `time` has nothing to time. Then runs `--warmup` steps.
@@ -58,7 +58,11 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan, t
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-RELATIVE_TOLERANCE = 1e-5
+# A hot row's gradient is a float32 sum of thousands of ids' terms, in the
+# order FBGEMM's threads happen to add them; its Adagrad accumulator (the
+# square of that sum) came out 1.1e-5 off float64 in one of about ten runs.
+# A misconfigured optimizer is off by far more.
+RELATIVE_TOLERANCE = 1e-4
 
 
 class CheckFailed(RuntimeError):

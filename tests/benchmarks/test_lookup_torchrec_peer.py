@@ -48,7 +48,7 @@ def peer(batches):
 def test_peer_step_matches_numpy_then_times(peer, optimizer):
     setup = peer.call(f"setup {optimizer}")
     assert setup["check"]["touched_rows_checked"] > 0
-    assert setup["check"]["max_relative_error"] <= 1e-5
+    assert setup["check"]["max_relative_error"] <= 1e-4
     assert len(peer.call("time 3")["step_ms"]) == 3
 
 
