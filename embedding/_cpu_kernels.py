@@ -15,7 +15,9 @@ received rows (`benchmarks/lookup.py` measures the difference):
 
 The kernels that read an exchanged buffer (the gather, the pooling, the
 update) take it in the pieces the all-to-all leaves, one per device, so that
-XLA does not join them into one buffer first.
+XLA does not join them into one buffer first; those that make one to send
+(the route, the gather, the pooling's transpose) give it in pieces, so that
+XLA does not cut it up first.
 
 The pure-JAX path (`_lookup.py`, `_update.py`) stays the reference and the
 path of every other platform; set `SPARSEFLOW_CPU_KERNELS=0` to use it on CPU
@@ -30,7 +32,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -180,23 +181,20 @@ def route(row_pointers: jax.Array, ids: jax.Array, minibatch, g) -> tuple[jax.Ar
     `send_rows` as `_lookup.Routing` has it; `entry_index` is each entry's
     flat index into `[S, G, U]`, -1 for entries outside the minibatch.
     """
-    return jax.ffi.ffi_call(
+    piece = _result((g.slots, 1, g.uniques), jnp.int32, ids)
+    entry_index, *send_rows = jax.ffi.ffi_call(
         "sparseflow_route",
-        (
-            _result((g.slots, g.devices, g.uniques), jnp.int32, ids),
-            _result((g.slots, g.capacity), jnp.int32, ids),
-        ),
+        (_result((g.slots, g.capacity), jnp.int32, ids), *[piece] * g.devices),
     )(
         row_pointers,
         ids,
         jnp.asarray(minibatch, jnp.int32).reshape(1),
-        devices=_i64(g.devices),
         slots=_i64(g.slots),
         minibatches=_i64(g.minibatches),
         width=_i64(g.row_pointer_width),
         rows=_i64(g.rows),
-        uniques=_i64(g.uniques),
     )
+    return _joined(send_rows), entry_index
 
 
 def _pieces(x: jax.Array) -> list[jax.Array]:
@@ -209,17 +207,31 @@ def _pieces(x: jax.Array) -> list[jax.Array]:
     return [x[:, h] for h in range(x.shape[1])]
 
 
+def _joined(pieces: list[jax.Array]) -> jax.Array:
+    """G arrays `[S, 1, ...]` as one `[S, G, ...]`, piece h for device h.
+
+    The inverse of `_pieces` for a kernel's outputs: when the join goes
+    straight into an all-to-all, XLA sends the pieces as they are instead of
+    joining them and cutting the join again (one copy and G small programs
+    less per exchange).
+    """
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
 @jax.custom_vjp
 def gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
-    """`float32[S * G * U, D]`: `table[rows]`, zero for rows out of range
+    """`float32[S, G, U, D]`: `table[rows]`, zero for rows out of range
     (`int32[S, G, U]`, as an all-to-all received them).
 
     Differentiable with respect to `table` (a scatter-add, as XLA's gather).
     """
-    return jax.ffi.ffi_call(
-        "sparseflow_gather_rows",
-        _result((rows.size, table.shape[1]), jnp.float32, rows),
-    )(table, *_pieces(rows), slots=_i64(rows.shape[0]))
+    s, g, u = rows.shape
+    piece = _result((s, 1, u, table.shape[1]), jnp.float32, rows)
+    return _joined(
+        jax.ffi.ffi_call("sparseflow_gather_rows", [piece] * g)(
+            table, *_pieces(rows), slots=_i64(s)
+        )
+    )
 
 
 def _gather_rows_forward(table, rows):
@@ -228,7 +240,11 @@ def _gather_rows_forward(table, rows):
 
 def _gather_rows_backward(residuals, grads):
     rows, shape = residuals
-    table_grads = jnp.zeros(shape, grads.dtype).at[rows.reshape(-1)].add(grads, mode="drop")
+    table_grads = (
+        jnp.zeros(shape, grads.dtype)
+        .at[rows.reshape(-1)]
+        .add(grads.reshape(-1, shape[1]), mode="drop")
+    )
     return table_grads, np.zeros(rows.shape, jax.dtypes.float0)
 
 
@@ -243,13 +259,16 @@ def _pool(entry_index, samples, gains, rows, num_samples):
     )(entry_index, samples, gains, *_pieces(rows))
 
 
-def pool_transpose(entry_index, samples, gains, grads, num_rows: int) -> jax.Array:
-    """`float32[num_rows, D]`: per distinct row, the sum of gain times the
-    gradient `float32[S, P, D]` of the samples of its entries."""
-    return jax.ffi.ffi_call(
-        "sparseflow_pool_transpose",
-        _result((num_rows, grads.shape[2]), jnp.float32, entry_index),
-    )(entry_index, samples, gains, grads)
+def pool_transpose(entry_index, samples, gains, grads, shape: tuple[int, ...]) -> jax.Array:
+    """`float32[S, G, U, D]` (`shape`): per distinct row, the sum of gain
+    times the gradient `float32[S, P, D]` of the samples of its entries."""
+    s, g, u, d = shape
+    piece = _result((s, 1, u, d), jnp.float32, entry_index)
+    return _joined(
+        jax.ffi.ffi_call("sparseflow_pool_transpose", [piece] * g)(
+            entry_index, samples, gains, grads
+        )
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -281,8 +300,7 @@ def _pool_forward(entry_index, samples, gains, rows, num_samples):
 def _pool_backward(num_samples, residuals, grads):
     del num_samples
     entry_index, samples, gains, shape = residuals
-    row_grads = pool_transpose(entry_index, samples, gains, grads, math.prod(shape[:-1]))
-    return None, None, None, row_grads.reshape(shape)
+    return None, None, None, pool_transpose(entry_index, samples, gains, grads, shape)
 
 
 pool.defvjp(_pool_forward, _pool_backward)

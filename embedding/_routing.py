@@ -245,8 +245,7 @@ def gather_owned(table: jax.Array, owned: jax.Array, g: StackGeometry, kernels: 
     """`float32[S, G, U, D]`: the owner's rows `owned` (`int32[S, G, U]`),
     zero where unused."""
     if kernels:
-        rows = _cpu_kernels.gather_rows(table, owned)
-        return rows.reshape(g.slots, g.devices, g.uniques, g.dim)
+        return _cpu_kernels.gather_rows(table, owned)
     return table.at[owned].get(mode="fill", fill_value=0)
 
 
@@ -270,14 +269,13 @@ def row_gradients(
     sum of gain times its samples' gradients (`float32[S, P, D]`)."""
     if stack.entries is None:
         layout = stack.layout
-        grads = _cpu_kernels.pool_transpose(
+        return _cpu_kernels.pool_transpose(
             plan.routing,
             layout.sample_ids,
             layout.gains,
             sample_grads,
-            g.slots * g.devices * g.uniques,
+            (g.slots, g.devices, g.uniques, g.dim),
         )
-        return grads.reshape(g.slots, g.devices, g.uniques, g.dim)
     entries, routing = stack.entries, plan.routing
     slot = _slot_index(g)
     entry_grads = sample_grads.at[slot, entries.samples].get(mode="fill", fill_value=0)

@@ -143,21 +143,27 @@ def _owner_geometry(optimizer, devices, rows, dim, uniques):
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("dim", [4, 16])
 @pytest.mark.parametrize("runs", [1, 3, 5, 8, 17, 40])
-def test_update_merges_runs_in_run_order(runs, dim, optimizer, monkeypatch):
+@pytest.mark.parametrize("rows, uniques", [(50, 12), (9000, 400)])
+def test_update_merges_runs_in_run_order(rows, uniques, runs, dim, optimizer, monkeypatch):
     """The owner's merge of several ascending runs (some empty, rows repeated
-    across runs; more runs than one block of 16 lanes) sums each row's
-    gradients once, against float64, for a width known at compile time (16)
-    and one not (4), and leaves untouched rows and slots bit for bit."""
+    across runs; in a shard of 9000 rows, over several of the merge's windows
+    of 4096 rows, with the rows on both sides of each window's edge) sums
+    each row's gradients once, against float64, for a width known at compile
+    time (16) and one not (4), and leaves untouched rows and slots bit for
+    bit."""
     monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
     assert _cpu_kernels.enabled("cpu")  # builds and registers them
-    rows, uniques, lr, initial, eps = 50, 12, np.float32(0.25), 0.1, 1e-8
+    lr, initial, eps = np.float32(0.25), 0.1, 1e-8
+    edges = [r for r in (4095, 4096, 8191, 8192) if r < rows]
     rng = np.random.default_rng(runs)
     received = np.full((runs, uniques), rows, np.int32)
     for r in range(runs):
         if r % 3 == 1:
             continue  # a source that sends nothing
-        chosen = np.sort(rng.choice(rows, rng.integers(1, uniques + 1), replace=False))
-        received[r, : len(chosen)] = chosen
+        chosen = rng.choice(rows, rng.integers(1, uniques + 1 - len(edges)), replace=False)
+        if r % 3 == 0:
+            chosen = np.union1d(chosen, edges)
+        received[r, : len(chosen)] = np.sort(chosen)
     grads = rng.standard_normal((runs * uniques, dim)).astype(np.float32)
     table = rng.standard_normal((rows, dim)).astype(np.float32)
     if optimizer == "sgd":
@@ -201,8 +207,9 @@ def test_update_merges_runs_in_run_order(runs, dim, optimizer, monkeypatch):
 @pytest.mark.parametrize("dim", [8, 12])
 @pytest.mark.parametrize("entries", [40, 40_000])
 def test_pool_and_its_transpose_against_float64(entries, dim, monkeypatch):
-    """Pooling by sample and its transpose by row (the rows in one piece per
-    device, as an all-to-all leaves them), on entries with holes
+    """Pooling by sample and its transpose by row (the rows, and the row
+    gradients, in one piece per device, as an all-to-all takes and leaves
+    them), on entries with holes
     (-1 rows, also between two entries of one row; padded samples), rows no
     entry names (their gradient is exactly zero), at 40k entries per slot work
     cut into chunks, and rows of a width known at compile time (8) or not (12)."""
@@ -225,7 +232,9 @@ def test_pool_and_its_transpose_against_float64(entries, dim, monkeypatch):
             _cpu_kernels.pool(
                 index, samples, gains, r.reshape(slots, devices, -1, dim), num_samples
             ),
-            _cpu_kernels.pool_transpose(index, samples, gains, g, num_rows),
+            _cpu_kernels.pool_transpose(
+                index, samples, gains, g, (slots, devices, num_rows // (slots * devices), dim)
+            ).reshape(num_rows, dim),
         )
     )(rows, sample_grads)
 
