@@ -12,7 +12,6 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -132,10 +131,10 @@ class RowSum {
   void Set(const float* row) { std::copy(row, row + width(), data()); }
   void Store(float* out) const { std::copy(data(), data() + width(), out); }
   int64_t width() const { return D ? D : dim_; }
-  float* data() { return D ? local_ : heap_.data(); }
-  const float* data() const { return D ? local_ : heap_.data(); }
 
  private:
+  float* data() { return D ? local_ : heap_.data(); }
+  const float* data() const { return D ? local_ : heap_.data(); }
   int64_t dim_;
   alignas(64) float local_[D ? D : 1] = {};
   std::vector<float> heap_;
@@ -704,6 +703,7 @@ int64_t MergeRuns(const std::vector<RunPart>& runs, int64_t row_begin, int64_t r
         const int64_t offset = run.rows[i] - low;
         float* place = window.get() + offset * width;
         const uint64_t bit = uint64_t{1} << (offset % 64);
+        // Through registers, as the pooling adds (see Pool).
         if (marked[offset / 64] & bit) {
           sum.Set(place);
           sum.Add(1.0f, run.grads + i * width);
@@ -718,9 +718,9 @@ int64_t MergeRuns(const std::vector<RunPart>& runs, int64_t row_begin, int64_t r
     for (int64_t w = 0; w < kWindowRows / 64; ++w) {
       for (uint64_t bits = marked[w]; bits != 0; bits &= bits - 1) {
         const int64_t offset = w * 64 + __builtin_ctzll(bits);
+        const float* place = window.get() + offset * width;
         rows[merged] = static_cast<int32_t>(low + offset);
-        sum.Set(window.get() + offset * width);
-        sum.Store(sums + merged * width);
+        std::copy(place, place + width, sums + merged * width);
         ++merged;
       }
       marked[w] = 0;

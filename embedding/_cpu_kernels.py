@@ -215,7 +215,7 @@ def _joined(pieces: list[jax.Array]) -> jax.Array:
     joining them and cutting the join again (one copy and G small programs
     less per exchange).
     """
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+    return jnp.concatenate(pieces, axis=1)
 
 
 @jax.custom_vjp
