@@ -30,7 +30,7 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
+import _criteo_logs
 from _step_times import best_of
 
 import beam_jobs
@@ -40,35 +40,19 @@ from beam_jobs.dask_cluster import dask_cluster
 
 _DASK_RUNNER = "beam_jobs.dask_runner.DaskRunner"
 _EMPTY = 0.2
-_BAD_EVERY = 1000
-_VOCABULARY = 100_000
+_PROFILE = _criteo_logs.LogProfile(
+    cardinalities=(100_000,) * _criteo_logs.CAT_COLUMNS,
+    zipf=1.2,
+    int_empty=(_EMPTY,) * _criteo_logs.INT_COLUMNS,
+    cat_empty=(_EMPTY,) * _criteo_logs.CAT_COLUMNS,
+    positives=0.5,
+    bad_every=1000,
+)
 
 
 def criteo_file(directory: Path, lines: int) -> str:
     """A synthetic Criteo-format file of `lines` lines, written if missing."""
-    path = directory / f"criteo-{lines}.tsv"
-    if path.is_file():
-        return str(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    print(f"writing {lines:,} lines to {path} ...", flush=True)
-    rng = np.random.default_rng(0)
-    temp = path.with_suffix(".tmp")
-    with open(temp, "w") as file:
-        for start in range(0, lines, 10_000):
-            n = min(10_000, lines - start)
-            labels = rng.integers(0, 2, n)
-            ints = rng.zipf(1.5, (n, 13)) - 1
-            cats = rng.zipf(1.2, (n, 26)) % _VOCABULARY
-            empty = rng.random((n, 39)) < _EMPTY
-            for i in range(n):
-                fields = [str(labels[i])]
-                fields += ["" if empty[i, j] else str(ints[i, j]) for j in range(13)]
-                fields += ["" if empty[i, 13 + j] else f"{cats[i, j]:08x}" for j in range(26)]
-                if (start + i) % _BAD_EVERY == _BAD_EVERY - 1:
-                    fields[3] = "x"  # not an integer
-                file.write("\t".join(fields) + "\n")
-    os.replace(temp, path)
-    return str(path)
+    return str(_criteo_logs.cached_log(directory / f"criteo-{lines}.tsv", lines, _PROFILE))
 
 
 def plain_loop(path: str, paths: list[str]) -> int:

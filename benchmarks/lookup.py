@@ -58,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _torchrec_env
 import _zipf_batches
 import numpy as np
 from _alternating import alternating
@@ -67,7 +68,6 @@ from _lookup_shape import FULL, OPTIMIZERS, SMALL, LookupShape
 import embedding
 
 BENCHMARKS = Path(__file__).resolve().parent
-TORCHREC_PYTHON = BENCHMARKS.parent / ".venv-torchrec" / "bin" / "python"
 ROWWISE_VS_SGD = 0.65
 RUNNERS = ("ours", "ours_8dev", "torchrec")
 DEVICES = {"ours": 1, "ours_8dev": 8}
@@ -102,11 +102,10 @@ def start_runners(
         argv += [] if args.stacked else ["--no-stacking"]
         runners[name] = stack.enter_context(LineProcess(name, argv, env=_device_env(devices)))
     argv = [str(args.torchrec_python), str(BENCHMARKS / "lookup_torchrec_peer.py"), str(batches)]
-    # Our update kernels keep the tables on huge pages; PyTorch does the same
-    # for its CPU allocations of 2 MiB and more under THP_MEM_ALLOC_ENABLE=1.
-    peer_env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1" if args.peer_huge_pages else "0")
     runners["torchrec"] = stack.enter_context(
-        LineProcess("torchrec", argv + ["--shape", shape.to_json()], env=peer_env)
+        LineProcess(
+            "torchrec", argv + ["--shape", shape.to_json()], env=_torchrec_env.peer_env(args)
+        )
     )
     return runners
 
@@ -266,29 +265,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated")
     parser.add_argument(
-        "--no-peer-huge-pages",
-        dest="peer_huge_pages",
-        action="store_false",
-        help="run TorchRec without THP_MEM_ALLOC_ENABLE=1 (its tables on 4 KiB pages)",
-    )
-    parser.add_argument(
         "--no-stacking",
         dest="stacked",
         action="store_false",
         help="our 8 tables as 8 physical tables instead of one stack",
     )
-    parser.add_argument("--torchrec-python", type=Path, default=TORCHREC_PYTHON)
+    _torchrec_env.add_arguments(parser)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if not args.torchrec_python.exists():
-        raise SystemExit(
-            f"TorchRec's environment is missing ({args.torchrec_python} does not exist). "
-            "Create it with `make bench-torchrec` (or pass --torchrec-python), then run "
-            "this again; without the peer there are no ratios to print."
-        )
+    _torchrec_env.check_python(args)
     shape = SMALL if args.small else FULL
     batches = make_batches(shape, args)
     figures = batch_figures(shape, batches)

@@ -69,6 +69,7 @@ from embedding._specs import (
     TableSpec,
 )
 from embedding._stacking import (
+    auto_stack_tables,
     get_stacked_table_specs,
     prepare_feature_specs_for_training,
     stack_tables,
@@ -131,6 +132,7 @@ __all__ = [
     "fdo_limits",
     "fdo_stats_file_name",
     "gather_tables",
+    "auto_stack_tables",
     "get_stacked_table_specs",
     "init_embedding_variables",
     "initializers",

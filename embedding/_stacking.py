@@ -269,6 +269,56 @@ def stack_tables(
     return _replace_leaves(feature_specs, new)
 
 
+# Longer joined names become short ones: a stack's name names its checkpoint
+# items and FDO entries, and a file name has at most 255 bytes.
+_MAX_JOINED_NAME = 100
+
+
+def auto_stack_tables(
+    feature_specs: Nested, global_device_count: int, num_sc_per_device: int
+) -> Nested:
+    """Stacks every group of unstacked tables that can share a stack.
+
+    Tables with the same padded dim, optimizer (learning rate included) and
+    combiner go into one stack, in the order `jax.tree.leaves` gives their
+    first features (a dict's features in name order):
+    one lookup, one update and one exchange per group instead of one per
+    table. A group's stack is named by its tables' names joined by "_", or
+    `<first>_to_<last>_<count>_tables` where that would exceed 100
+    characters. A table alone in its group, and tables already stacked, are
+    left as they are. Each table keeps its own rows and initializer, so a
+    step gives the same values stacked or not, up to the order of float sums.
+
+    Args:
+      feature_specs: a pytree of `FeatureSpec`.
+      global_device_count: devices over all hosts, typically `mesh.size`.
+      num_sc_per_device: partitions per device.
+
+    Returns:
+      The same pytree with the groups stacked.
+    """
+    check_partition_count(global_device_count, num_sc_per_device)
+    groups: dict[tuple, list[str]] = {}
+    for feature in _leaves(feature_specs):
+        table = feature.table_spec
+        if table.is_stacked():
+            continue
+        key = (round_up(table.embedding_dim, 8), table.optimizer, table.combiner)
+        names = groups.setdefault(key, [])
+        if table.name not in names:
+            names.append(table.name)
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        joined = "_".join(names)
+        if len(joined) > _MAX_JOINED_NAME:
+            joined = f"{names[0]}_to_{names[-1]}_{len(names)}_tables"
+        feature_specs = stack_tables(
+            feature_specs, names, global_device_count, num_sc_per_device, stack_name=joined
+        )
+    return feature_specs
+
+
 def get_stacked_table_specs(feature_specs: Nested) -> dict[str, StackedTableSpec]:
     """The physical tables of prepared specs, by stack name (in first-use order).
 

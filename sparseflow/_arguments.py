@@ -57,3 +57,26 @@ def subcommand(
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common_options(), *parents],
     )
+
+
+def add_devices_argument(parser: argparse.ArgumentParser) -> None:
+    """`--devices N`: the mesh's device count in place of the config's `mesh.devices`."""
+    parser.add_argument(
+        "--devices",
+        type=positive_int,
+        metavar="N",
+        help="devices of the mesh, in place of the config's mesh.devices (an integer, or auto: "
+        "the devices JAX sees); on CPU, N simulated devices",
+    )
+
+
+def add_compilation_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """`--no-compilation-cache`, for the commands that compile."""
+    parser.add_argument(
+        "--no-compilation-cache",
+        dest="compilation_cache",
+        action="store_false",
+        help="compile every program afresh, neither reading nor writing JAX's persistent "
+        "compilation cache (default: on, in $SPARSEFLOW_COMPILATION_CACHE or "
+        "~/.cache/sparseflow/jax-compilation-cache)",
+    )

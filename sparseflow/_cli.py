@@ -2,28 +2,32 @@
 
   sparseflow make-data --config C [--out DIR] [--examples N] [--seed S]
                        [--shards K] [--formats arrayrecord,tfrecord]
-  sparseflow demo [--config C]
-  sparseflow stats [--config C] [--batches N]
+  sparseflow demo [--config C] [--devices N] [--no-compilation-cache]
+  sparseflow stats [--config C] [--batches N] [--devices N]
   sparseflow fdo --config C [--data FILES] [--out DIR] [--runner R] [--plot out.png]
-                 [-- Beam options]
+                 [--devices N] [-- Beam options]
   sparseflow import --input FILES --out DIR [--format criteo|csv|tsv|parquet]
                     [--header] [--columns SPEC] [--label NAME] [--shards N]
                     [--output-format arrayrecord|tfrecord] [--runner R]
   sparseflow train --config C [--data GLOB] [--eval-data GLOB] [--steps N]
                    [--pipelined | --no-pipelined] [--fdo DIR] [--checkpoint-dir D]
-                   [--resume] [--metrics-dir D] [--num-processes P]
+                   [--resume] [--metrics-dir D] [--num-processes P] [--devices N]
+                   [--no-compilation-cache]
                    [--agreement-tls-dir D] [--agreement-secret-file F]
   sparseflow --version
 
 `--config` takes a YAML file or the name of a shipped config (`demo`,
 `benchmark`, `criteo`); a shipped config's relative paths (its dataset under
-`runs/<name>`) start from the working directory.
+`runs/<name>`) start from the working directory. `--devices N` takes the
+place of the config's `mesh.devices` (an integer, or `auto`: the devices JAX
+sees). `train` and `demo` keep their compiled programs in JAX's persistent
+compilation cache (`sparseflow._compilation_cache`).
 
 A user error (a `SparseflowError`: a bad config, a missing or bad data file,
 a corrupt FDO stats file, options that do not go together) prints one
-`error: ...` line and exits with status 2. Any other exception is a bug: it
-prints one `internal error: ...` line and exits with status 1, or, with
-`--verbose`, raises with its traceback.
+`error: ...` line, its notes after it, and exits with status 2. Any other
+exception is a bug: it prints one `internal error: ...` line and exits with
+status 1, or, with `--verbose`, raises with its traceback.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 import pipelines
 from embedding import SparseflowError
 from sparseflow import (
+    _compilation_cache,
     _demo,
     _fdo_command,
     _import_command,
@@ -45,10 +50,17 @@ from sparseflow import (
     _stats_report,
     _train_command,
 )
-from sparseflow._arguments import non_negative_int, positive_int, subcommand
-from sparseflow._config import RunConfig, load_config
+from sparseflow._arguments import (
+    add_compilation_cache_argument,
+    add_devices_argument,
+    non_negative_int,
+    positive_int,
+    subcommand,
+)
+from sparseflow._command_config import CommandConfig
+from sparseflow._config import RunConfig
+from sparseflow._config_mesh import devices_noun
 from sparseflow._errors import UsageError
-from sparseflow._shipped_configs import shipped_config
 from sparseflow._version import __version__
 
 DEFAULT_CONFIG = "demo"
@@ -57,20 +69,18 @@ _USER_ERROR_EXIT = 2
 _INTERNAL_ERROR_EXIT = 1
 
 
-def load_cli_config(config: str | os.PathLike) -> RunConfig:
+def load_cli_config(config: str | os.PathLike, devices: int | None = None) -> RunConfig:
     """The config `--config` names: a YAML file, else a shipped config by name.
 
     A shipped config lives inside the installed package, so its relative
     paths start from the working directory instead of its own folder.
+    `devices` (`--devices`) takes the place of `mesh.devices`.
 
     Raises:
       UsageError: a bare name that no shipped config has (the message lists
         them); ConfigError for a file, as `load_config`.
     """
-    text = os.fspath(config)
-    if os.path.exists(text) or os.sep in text or text.endswith((".yaml", ".yml")):
-        return load_config(text)
-    return load_config(shipped_config(text), relative_to=Path.cwd())
+    return CommandConfig(config, devices).load()
 
 
 _RECORD_FORMATS = ("arrayrecord", "tfrecord")
@@ -136,6 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--config", default=DEFAULT_CONFIG, help=_DEFAULT_CONFIG_HELP)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_devices_argument(demo)
+    add_compilation_cache_argument(demo)
     demo.set_defaults(run=_run_demo)
 
     stats = subcommand(
@@ -149,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument(
         "--batches", type=positive_int, help="stop after N global batches (default: one pass)"
     )
+    add_devices_argument(stats)
     stats.set_defaults(run=_run_stats)
 
     fdo = subcommand(
@@ -181,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _make_data(args: argparse.Namespace, config: RunConfig) -> None:
+def _make_data(args: argparse.Namespace, command_config: CommandConfig) -> None:
+    config = command_config.load()
     described = _stats_report.synthetic(config, "make-data")
     out = args.out or config.dataset.dir
     examples = args.examples or described.examples
@@ -204,12 +218,14 @@ def _make_data(args: argparse.Namespace, config: RunConfig) -> None:
         print(f"  {fmt}: {len(paths)} files ({Path(paths[0]).parent})")
 
 
-def _run_demo(args: argparse.Namespace, config: RunConfig) -> None:
-    _launch.use_cpu_devices(config.mesh.devices)
-    print(_demo.run(config, progress=not args.no_progress))
+def _run_demo(args: argparse.Namespace, command_config: CommandConfig) -> None:
+    if command_config.requested_devices is not None:
+        _launch.use_cpu_devices(command_config.requested_devices)
+    print(_demo.run(command_config.load(), progress=not args.no_progress))
 
 
-def _run_stats(args: argparse.Namespace, config: RunConfig) -> None:
+def _run_stats(args: argparse.Namespace, command_config: CommandConfig) -> None:
+    config = command_config.load()
     if not _stats_report.dataset_exists(config):
         print(
             f"Writing the synthetic dataset "
@@ -219,7 +235,7 @@ def _run_stats(args: argparse.Namespace, config: RunConfig) -> None:
         _stats_report.make_dataset(config)
     result = _stats_report.run_stats(config, max_batches=args.batches)
     print(
-        f"{config.name}: {config.mesh.devices} devices x "
+        f"{config.name}: {devices_noun(config.mesh.devices)} x "
         f"{config.mesh.partitions_per_device} partitions, global batch "
         f"{config.global_batch_size}"
     )
@@ -233,9 +249,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     _logging.configure(verbose=args.verbose)
     try:
-        args.run(args, load_cli_config(args.config))
+        if hasattr(args, "compilation_cache"):
+            # Before anything compiles: JAX decides whether to use the cache at its first compile.
+            if args.compilation_cache:
+                _compilation_cache.enable()
+            else:
+                _compilation_cache.disable()
+        args.run(args, CommandConfig(args.config, getattr(args, "devices", None)))
     except SparseflowError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {' '.join([str(error), *getattr(error, '__notes__', ())])}", file=sys.stderr)
         return _USER_ERROR_EXIT
     except Exception as error:
         if args.verbose:

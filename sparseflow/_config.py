@@ -29,13 +29,19 @@ import pipelines
 from sparseflow._config_checker import Node, build, get, integer, mapping, parse_yaml
 from sparseflow._config_dataset import DatasetConfig, read_dataset
 from sparseflow._config_features import Feature, read_features
-from sparseflow._config_mesh import MeshConfig, read_global_batch_size, read_mesh
+from sparseflow._config_mesh import (
+    DeviceCount,
+    MeshConfig,
+    read_global_batch_size,
+    read_mesh,
+    written_devices,
+)
 from sparseflow._config_preprocessing import PreprocessingConfig, read_preprocessing
 from sparseflow._config_record import read_record
 from sparseflow._config_synthetic import SyntheticConfig, read_synthetic
 from sparseflow._config_tables import apply_stacks, check_tables_used, read_tables
 from sparseflow._config_training import TrainingConfig, read_model, read_training
-from sparseflow._model import ModelConfig
+from sparseflow._model import ModelConfig, check_feature_dims
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +68,9 @@ class RunConfig:
         (FDO stats are matched to a run by `fdo_layout` instead).
       model: the dense tower's sizes and optimizer.
       training: how `sparseflow train` runs.
+      devices_origin: where `mesh.devices` came from when the config's own
+        integer did not set it (`auto`, or a count given in its place), for
+        messages about it; None when it did.
     """
 
     name: str
@@ -78,6 +87,7 @@ class RunConfig:
     synthetic: SyntheticConfig | None = None
     model: ModelConfig = ModelConfig()
     training: TrainingConfig = TrainingConfig()
+    devices_origin: str | None = None
 
     @property
     def fdo_layout(self) -> embedding.FdoLayout:
@@ -109,8 +119,23 @@ class RunConfig:
         return embedding.fdo_layout(self.feature_specs, geometry, extra=extra)
 
 
+_REQUIRED_KEYS = ("name", "seed", "mesh", "global_batch_size", "tables", "features", "dataset")
+_OPTIONAL_KEYS = (
+    "dense_features",
+    "record",
+    "synthetic",
+    "preprocessing",
+    "stacks",
+    "model",
+    "training",
+)
+
+
 def load_config(
-    path: str | os.PathLike, *, relative_to: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    *,
+    relative_to: str | os.PathLike | None = None,
+    devices: int | DeviceCount | None = None,
 ) -> RunConfig:
     """Loads and checks a run config.
 
@@ -120,6 +145,11 @@ def load_config(
         `training.agreement_*`) start from; default: the config file's folder.
         The command line passes the working directory for a shipped config,
         whose own folder is inside the installed package.
+      devices: the device count to use in place of `mesh.devices` (the
+        command line's `--devices`). None: the config's integer, or for
+        `mesh.devices: auto` the devices JAX sees now, over every process;
+        asking starts JAX's backend, so XLA_FLAGS and `jax.distributed` must
+        be set up before.
 
     Returns:
       The run's specs: tables, features (with the config's stacks applied),
@@ -135,29 +165,9 @@ def load_config(
     base = Path(source).parent if relative_to is None else Path(relative_to)
     raw = parse_yaml(Path(path), source)
     root = Node(raw, source, "")
-    mapping(
-        root,
-        (
-            "name",
-            "seed",
-            "mesh",
-            "global_batch_size",
-            "tables",
-            "features",
-            "dataset",
-        ),
-        (
-            "dense_features",
-            "record",
-            "synthetic",
-            "preprocessing",
-            "stacks",
-            "model",
-            "training",
-        ),
-    )
-    mesh = read_mesh(root.child("mesh"))
-    batch = read_global_batch_size(root, mesh)
+    mapping(root, _REQUIRED_KEYS, _OPTIONAL_KEYS)
+    mesh, device_count = read_mesh(root.child("mesh"), devices)
+    batch = read_global_batch_size(root, mesh, device_count)
     tables = read_tables(root.child("tables"))
     features = read_features(root.child("features"), tables, batch)
     check_tables_used(
@@ -165,8 +175,16 @@ def load_config(
     )
     feature_specs = feature_specs_by_name(features)
     layout = _layout(root, features)
-    if root.has("stacks"):
-        feature_specs = apply_stacks(root.child("stacks"), feature_specs, tables, mesh)
+    feature_specs = apply_stacks(
+        root.child("stacks") if root.has("stacks") else None, feature_specs, tables, mesh
+    )
+    model = read_model(root.child("model")) if root.has("model") else ModelConfig()
+    try:
+        check_feature_dims(
+            model, {name: f.table_spec.embedding_dim for name, f in feature_specs.items()}
+        )
+    except ValueError as e:
+        raise root.child("model").child("feature_projection").error(str(e)) from e
     return RunConfig(
         name=get(root, "name", "str"),
         seed=integer(root, "seed", minimum=0),
@@ -186,12 +204,44 @@ def load_config(
         config_hash=hashlib.sha256(
             json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
         ).hexdigest(),
-        model=read_model(root.child("model")) if root.has("model") else ModelConfig(),
-        training=(
-            read_training(root.child("training"), base)
-            if root.has("training")
-            else TrainingConfig()
-        ),
+        model=model,
+        training=_training(root, base),
+        devices_origin=device_count.origin,
+    )
+
+
+def _training(root: Node, base: Path) -> TrainingConfig:
+    return read_training(root.child("training"), base) if root.has("training") else TrainingConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlySettings:
+    """What a command reads of its config before JAX starts.
+
+    Attributes:
+      devices: `mesh.devices` as written: an integer, or `"auto"`.
+      training: the `training` section.
+    """
+
+    devices: int | str
+    training: TrainingConfig
+
+
+def read_early_settings(
+    path: str | os.PathLike, *, relative_to: str | os.PathLike | None = None
+) -> EarlySettings:
+    """`mesh.devices` as written and the `training` section, checked as `load_config` does.
+
+    The rest of the config (whose checks need a device count) is not read:
+    `auto` is resolved only once XLA_FLAGS and `jax.distributed` are set up.
+    """
+    source = os.fspath(path)
+    base = Path(source).parent if relative_to is None else Path(relative_to)
+    root = Node(parse_yaml(Path(path), source), source, "")
+    mapping(root, _REQUIRED_KEYS, _OPTIONAL_KEYS)
+    return EarlySettings(
+        devices=written_devices(root.child("mesh")),
+        training=_training(root, base),
     )
 
 

@@ -85,13 +85,35 @@ def check_tables_used(
             )
 
 
+AUTO_STACKS = "auto"
+NO_STACKS = "none"
+
+
 def apply_stacks(
-    node: Node,
+    node: Node | None,
     feature_specs: dict[str, embedding.FeatureSpec],
     tables: Mapping[str, embedding.TableSpec],
     mesh: MeshConfig,
 ) -> dict[str, embedding.FeatureSpec]:
-    """Applies every table stack (a list of table names) to `feature_specs`."""
+    """Applies the `stacks` section to `feature_specs`.
+
+    `stacks: auto` (also when the section is absent) stacks every group of
+    tables that can share a stack (`embedding.auto_stack_tables`); `stacks:
+    none` stacks nothing; a list of table-name lists makes exactly those
+    stacks.
+    """
+    choice = AUTO_STACKS if node is None else node.value
+    if isinstance(choice, str):
+        if choice == AUTO_STACKS:
+            return embedding.auto_stack_tables(
+                feature_specs, mesh.devices, mesh.partitions_per_device
+            )
+        if choice == NO_STACKS:
+            return feature_specs
+        raise node.error(
+            f"expected {AUTO_STACKS!r}, {NO_STACKS!r} or a list of stacks (lists of table "
+            f"names), got {choice!r}"
+        )
     order = list(feature_specs)
     stacked_in: dict[str, int] = {}
     for i, names in enumerate(check_kind(node, "list")):

@@ -86,7 +86,11 @@ def _widths(node: Node, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def read_model(node: Node) -> ModelConfig:
-    mapping(node, (), ("bottom_mlp", "top_mlp", "learning_rate", "tower", "pipeshard"))
+    mapping(
+        node,
+        (),
+        ("bottom_mlp", "top_mlp", "learning_rate", "tower", "pipeshard", "feature_projection"),
+    )
     defaults = ModelConfig()
     return build(
         node,
@@ -97,6 +101,7 @@ def read_model(node: Node) -> ModelConfig:
             learning_rate=get(node, "learning_rate", "number", defaults.learning_rate),
             tower=read_tower(node.child("tower")) if node.has("tower") else defaults.tower,
             pipeshard=read_pipeshard(node.child("pipeshard")) if node.has("pipeshard") else None,
+            feature_projection=get(node, "feature_projection", "bool", defaults.feature_projection),
         ),
     )
 

@@ -24,6 +24,7 @@ import beam_jobs
 import embedding
 from sparseflow import _demo_folder, _fdo_command, _run_images, _stats_report, _train
 from sparseflow._config import RunConfig
+from sparseflow._config_mesh import devices_noun
 from sparseflow._errors import UsageError
 from sparseflow._train_command import summary
 
@@ -111,7 +112,7 @@ def run(config: RunConfig, *, progress: bool = True) -> str:
     )
     return "\n".join(
         [
-            f"{config.name}: {config.mesh.devices} devices x "
+            f"{config.name}: {devices_noun(config.mesh.devices)} x "
             f"{config.mesh.partitions_per_device} partitions, global batch "
             f"{config.global_batch_size}, "
             f"{'pipelined' if config.training.pipelined else 'sequential'}",

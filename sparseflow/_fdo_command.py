@@ -1,6 +1,6 @@
 """`sparseflow fdo`: the offline FDO statistics job for a config's dataset.
 
-  sparseflow fdo --config C [--data FILE|DIR|GLOB ...] [--out DIR] [--runner R]
+  sparseflow fdo --config C [--data FILE|DIR|GLOB ...] [--out DIR] [--runner R] [--devices N]
                  [--dask-address tcp://HOST:8786 | --dask-workers N]
                  [--direct_num_workers N] [--direct_running_mode MODE]
                  [--plot out.png] [--headroom H] [-- other Beam options]
@@ -22,6 +22,8 @@ from pathlib import Path
 import beam_jobs
 import embedding
 import pipelines
+from sparseflow._arguments import add_devices_argument
+from sparseflow._command_config import CommandConfig
 from sparseflow._config import RunConfig
 from sparseflow._runner_options import add_runner_arguments, dask_address, pipeline_args
 
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.1,
         help="factor over the observed maxima for the limits shown (default: 1.1)",
     )
+    add_devices_argument(parser)
     add_runner_arguments(parser)
 
 
@@ -96,8 +99,9 @@ def configured_limits(config: RunConfig) -> dict[str, int]:
     }
 
 
-def run(args: argparse.Namespace, config: RunConfig) -> None:
+def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
     """Runs the job, prints where the stats went and the limits they call for."""
+    config = command_config.load()
     data = args.data or list(config.dataset.train_data)
     out = args.out or str(config.dataset.dir / "fdo")
     with dask_address(args) as address:

@@ -39,11 +39,19 @@ class Progress:
             disable=None if enabled else True,
             dynamic_ncols=True,
         )
+        self._postfix: dict[str, str] = {}
 
     def update(self, trained: int, loss: float | None) -> None:
         self._bar.update(trained - self._bar.n)
         if loss is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self._postfix["loss"] = f"{loss:.4f}"
+            self._bar.set_postfix(self._postfix, refresh=False)
+
+    def throughput(self, examples_per_s: float, input_wait: float) -> None:
+        """Shows the last log window's examples/s and its share waiting for input."""
+        self._postfix["examples/s"] = f"{examples_per_s:,.0f}"
+        self._postfix["input wait"] = f"{100 * input_wait:.0f}%"
+        self._bar.set_postfix(self._postfix, refresh=False)
 
     def close(self) -> None:
         self._bar.close()

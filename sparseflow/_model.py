@@ -4,6 +4,7 @@ DLRM (the default):
 
     dense features --bottom MLP--> x0 [B, d]
     activation of feature f [B, dim_f] --linear--> x_f [B, d]
+        (or x_f = the activation itself, with `feature_projection: false`)
     z = upper triangle of [x0, x_1..x_F] [x0, x_1..x_F]^T   (pairwise dots)
     logit = top MLP([x0, z])
 
@@ -49,6 +50,10 @@ class ModelConfig:
       tower: "dlrm" (bottom MLP, pairwise interactions, top MLP) or a
         `DcnV2Tower` (the bottom MLP, then cross layers and its MLP).
       pipeshard: run the tower as a pipeshard pipeline, or None.
+      feature_projection: DLRM projects every feature's activation to the
+        interaction dim d with a matrix of its own; False interacts the
+        activations as they are (DLRM's original form, TorchRec's), which
+        needs every embedding dim to be d.
     """
 
     bottom_mlp: tuple[int, ...] = (64, 16)
@@ -56,6 +61,7 @@ class ModelConfig:
     learning_rate: float = 1e-3
     tower: str | DcnV2Tower = "dlrm"
     pipeshard: PipeshardConfig | None = None
+    feature_projection: bool = True
 
     def __post_init__(self) -> None:
         for name in ("bottom_mlp", "top_mlp"):
@@ -100,15 +106,38 @@ def init_params(
     d = config.interaction_dim
     num_pairs = (len(feature_dims) + 1) * len(feature_dims) // 2
     k_bottom, k_top, k_project = jax.random.split(key, 3)
-    project_keys = jax.random.split(k_project, max(len(feature_dims), 1))
-    return {
+    params = {
         "bottom": _mlp(k_bottom, (num_dense_features, *config.bottom_mlp)),
-        "project": {
-            name: _dense_layer(k, dim, d)["w"]
-            for k, (name, dim) in zip(project_keys, sorted(feature_dims.items()), strict=False)
-        },
         "top": _mlp(k_top, (d + num_pairs, *config.top_mlp, 1)),
     }
+    if not config.feature_projection:
+        check_feature_dims(config, feature_dims)
+        return params
+    project_keys = jax.random.split(k_project, max(len(feature_dims), 1))
+    params["project"] = {
+        name: _dense_layer(k, dim, d)["w"]
+        for k, (name, dim) in zip(project_keys, sorted(feature_dims.items()), strict=False)
+    }
+    return params
+
+
+def check_feature_dims(config: ModelConfig, feature_dims: Mapping[str, int]) -> None:
+    """Checks that DLRM without feature projections can interact the activations.
+
+    Raises:
+      ValueError: `feature_projection` is off and some embedding dim is not
+        the interaction dim.
+    """
+    if config.feature_projection or isinstance(config.tower, DcnV2Tower):
+        return
+    d = config.interaction_dim
+    wrong = {name: dim for name, dim in sorted(feature_dims.items()) if dim != d}
+    if wrong:
+        raise ValueError(
+            "feature_projection: false interacts the activations as they are, so every "
+            f"embedding dim must be the bottom MLP's last width {d}; the features {wrong} "
+            "(name: dim) are not. Project them (feature_projection: true) or change the widths."
+        )
 
 
 def _init_dcn_v2(key, config: ModelConfig, num_dense_features: int, feature_dims) -> Params:
@@ -154,13 +183,70 @@ def forward(params: Params, dense: jax.Array, activations: Mapping[str, jax.Arra
     x0 = _apply_mlp(params["bottom"], dense, final_activation=True)
     if "cross" in params:
         return _dcn_v2(params, x0, activations)
-    vectors = [x0] + [activations[name] @ w for name, w in sorted(params["project"].items())]
-    stacked = jnp.stack(vectors, axis=1)  # [B, F + 1, d]
-    dots = jnp.einsum("bid,bjd->bij", stacked, stacked)
-    rows, cols = np.triu_indices(len(vectors), k=1)
-    interactions = dots[:, rows, cols]
-    top_input = jnp.concatenate([x0, interactions], axis=1)
+    if "project" in params:
+        projected = [activations[name] @ w for name, w in sorted(params["project"].items())]
+    else:
+        projected = [activations[name] for name in sorted(activations)]
+    top_input = jnp.concatenate([x0, pairwise_dots([x0, *projected])], axis=1)
     return _apply_mlp(params["top"], top_input, final_activation=False, mark_last=False)[:, 0]
+
+
+def pairwise_dots(vectors: Sequence[jax.Array]) -> jax.Array:
+    """The dot products of every pair of vectors, in `np.triu_indices(n, k=1)` order.
+
+    Args:
+      vectors: n arrays `float32[batch, d]`.
+
+    Returns:
+      `float32[batch, n (n - 1) / 2]`: `[v0.v1, v0.v2, .., v0.v(n-1), v1.v2, ..]`.
+    """
+    return _pairwise_dots(jnp.stack(vectors, axis=1))
+
+
+def _pair_indices(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(flat index in [n, n] of each pair, pair index of each of the n x n places)`.
+
+    The second maps both (i, j) and (j, i) to the pair's index, and the
+    diagonal to n (n - 1) / 2, one past the last pair.
+    """
+    rows, cols = np.triu_indices(n, k=1)
+    pairs = np.arange(rows.size)
+    places = np.full((n, n), rows.size)
+    places[rows, cols] = pairs
+    places[cols, rows] = pairs
+    return rows * n + cols, places.reshape(-1)
+
+
+@jax.custom_vjp
+def _pairwise_dots(stacked: jax.Array) -> jax.Array:
+    """`pairwise_dots` of `stacked: float32[batch, n, d]`, with a gradient of its own.
+
+    Autodiff of the Gram matrix and its upper triangle gives two batched
+    products and a scatter of the triangle's gradient; on CPU those took 3/4
+    of the dense step (20 of 27 ms at batch 4096, 27 vectors of 16). The
+    gradient here is one batched product with the symmetric matrix of the
+    pairs' gradients, gathered in place (a gather, not a scatter): half the
+    time of autodiff's.
+    """
+    return _pairwise_dots_forward(stacked)[0]
+
+
+def _pairwise_dots_forward(stacked: jax.Array):
+    n = stacked.shape[1]
+    gram = jnp.einsum("bid,bjd->bij", stacked, stacked)
+    upper, _ = _pair_indices(n)
+    return jnp.take(gram.reshape(-1, n * n), upper, axis=1), stacked
+
+
+def _pairwise_dots_backward(stacked: jax.Array, grads: jax.Array):
+    n = stacked.shape[1]
+    _, places = _pair_indices(n)
+    padded = jnp.concatenate([grads, jnp.zeros_like(grads[:, :1])], axis=1)
+    symmetric = jnp.take(padded, places, axis=1).reshape(-1, n, n)
+    return (jnp.einsum("bij,bjd->bid", symmetric, stacked),)
+
+
+_pairwise_dots.defvjp(_pairwise_dots_forward, _pairwise_dots_backward)
 
 
 def _dcn_v2(params: Params, bottom: jax.Array, activations: Mapping[str, jax.Array]) -> jax.Array:

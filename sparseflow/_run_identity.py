@@ -39,11 +39,13 @@ def run_identity(
       pipelined: whether the run is SC/TC pipelined (its state is saved).
       processes: processes of the run (each saves its input position).
     """
+    # The mesh first: a message shows the first differences, and another
+    # device count also changes the stacked tables' layout after it.
     return {
+        "mesh": dict(_plain(config.mesh), processes=processes),
         "tables": _plain(config.tables),
         "features": _plain(config.feature_specs),
         "dense_features": config.layout.num_dense_features,
-        "mesh": dict(_plain(config.mesh), processes=processes),
         "global_batch_size": config.global_batch_size,
         "preprocessing": _plain(config.preprocessing),
         "model": _plain(config.model),

@@ -93,6 +93,10 @@ class TrainResult(NamedTuple):
       seconds: wall time of the training loop.
       call_seconds: wall time of every step call of this run (pipelined: n + 2
         calls), from dispatch until its outputs are ready.
+      input_wait_seconds: for every call of `call_seconds`, the time the loop
+        waited for the call's batch before it (0 for the draining calls).
+      time_to_first_step: seconds from entering `train` to the end of this
+        run's first step call (set-up, input start, compilation).
       train_state: the dense parameters and optimizer state at the end.
       embedding_variables: the tables and slots at the end, by stack.
       limits: the stacks' limits at the end (raised where a batch needed more).
@@ -105,6 +109,8 @@ class TrainResult(NamedTuple):
     examples_per_s: float
     seconds: float
     call_seconds: list[float]
+    input_wait_seconds: list[float]
+    time_to_first_step: float
     train_state: Any
     embedding_variables: dict[str, embedding.EmbeddingVariables]
     limits: dict[str, embedding.StackLimits]
@@ -402,6 +408,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
       CheckpointError: `resume` with checkpoints none of which restores.
       TrainingDivergedError: the loss or the parameters became non-finite.
     """
+    entered = time.perf_counter()
     if options.checkpoint_dir is not None and not options.resume:
         check_fresh(options.checkpoint_dir)
     mesh = make_mesh(config.mesh.devices)
@@ -425,7 +432,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
                 batches.use_specs(_checkpoint_specs(run, snapshot.metadata))
                 batches.set_state(snapshot.iterator_state)
                 _log.info("Resumed from the checkpoint at step %d.", start)
-        seconds, call_seconds = _loop(run, batches, n, start, pending, checkpoints, metrics)
+        clock = _loop(run, batches, n, start, pending, checkpoints, metrics)
     eval_auc = None
     if options.eval_data is not None:
         eval_auc = evaluate(run, options.eval_data)
@@ -434,6 +441,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     if checkpoints is not None:
         checkpoints.close()
     trained = n - start
+    seconds = clock.ended - clock.began
     return TrainResult(
         steps=n,
         losses=run.losses,
@@ -441,7 +449,9 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         eval_auc=eval_auc,
         examples_per_s=trained * config.global_batch_size / seconds if seconds else 0.0,
         seconds=seconds,
-        call_seconds=call_seconds,
+        call_seconds=clock.calls,
+        input_wait_seconds=clock.waits,
+        time_to_first_step=(clock.first_step_end or clock.began) - entered,
         train_state=run.state,
         embedding_variables=run.tables,
         limits=embedding.stack_limits(run.specs),
@@ -478,16 +488,56 @@ def _checkpoints(run: _Run) -> Checkpoints:
     return Checkpoints(run.options.checkpoint_dir, run=identity)
 
 
-def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics) -> float:
-    """Runs calls `start..` to the end; returns the wall time."""
+@dataclasses.dataclass
+class _Clock:
+    """Where the loop's time went: per call, and since the last log line.
+
+    Attributes:
+      began: `time.perf_counter()` when the loop started.
+      calls: wall time of each step call.
+      waits: time waited for each call's batch before it.
+      first_step_end: `perf_counter()` at the end of the first call, or None.
+      window_start: `perf_counter()` at the last log line (or the start).
+      window_calls: calls since then.
+      ended: `perf_counter()` when the loop ended.
+    """
+
+    began: float
+    ended: float = 0.0
+    calls: list[float] = dataclasses.field(default_factory=list)
+    waits: list[float] = dataclasses.field(default_factory=list)
+    first_step_end: float | None = None
+    window_start: float = 0.0
+    window_calls: int = 0
+
+    def add(self, wait: float, call: float) -> None:
+        self.waits.append(wait)
+        self.calls.append(call)
+        self.window_calls += 1
+        if self.first_step_end is None:
+            self.first_step_end = time.perf_counter()
+
+    def window(self) -> tuple[float, float]:
+        """`(seconds, share waiting for input)` since the last call; starts a new window."""
+        now = time.perf_counter()
+        seconds = now - self.window_start
+        waited = sum(self.waits[len(self.waits) - self.window_calls :])
+        self.window_start, self.window_calls = now, 0
+        return seconds, (waited / seconds if seconds > 0 else 0.0)
+
+
+def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics) -> _Clock:
+    """Runs calls `start..` to the end; returns where their time went."""
     with _setup_objects_frozen():
         total = parallel.get_pipeline_train_steps(n) if run.pipelined else n
         every = run.config.training.checkpoint_every
         pipelined_step = _pipelined_step(run.stages)
         progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
-        began, logged, call_seconds = time.perf_counter(), len(run.losses), []
+        began = time.perf_counter()
+        clock, logged = _Clock(began=began, window_start=began), len(run.losses)
         for t in range(start, total):
             batch = None
+            waiting = time.perf_counter()
             if t < n:
                 batch, pending = pending or next(batches), None
             called = time.perf_counter()
@@ -499,16 +549,17 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
                 )
                 jax.block_until_ready((run.state, run.tables))
                 run.record(output)
-            call_seconds.append(time.perf_counter() - called)
+            clock.add(called - waiting, time.perf_counter() - called)
             done = t + 1
-            logged = _report(run, metrics, progress, logged)
+            logged = _report(run, metrics, progress, logged, clock)
             if checkpoints is not None and (done % every == 0 or done == total):
                 _save(run, checkpoints, batches, done)
             if run.options.stop_after == done:
                 logging.shutdown()
                 os._exit(0)  # noqa: SLF001 - a crash on purpose: no drain, no final checkpoint
         progress.close()
-        return time.perf_counter() - began, call_seconds
+        clock.ended = time.perf_counter()
+        return clock
 
 
 @contextlib.contextmanager
@@ -551,8 +602,12 @@ def _pipelined_call(run: _Run, pipelined_step, t: int, n: int, batch) -> None:
         run.record(output)
 
 
-def _report(run: _Run, metrics, progress, logged: int) -> int:
+def _report(run: _Run, metrics, progress, logged: int, clock: _Clock) -> int:
     """Updates the bar; logs a window when a multiple of log_every is reached.
+
+    The log line has the window's examples/s and the share of its wall time
+    the loop spent waiting for input: near 1, the input limits the run; near
+    0, the step does.
 
     Returns the number of losses logged so far.
     """
@@ -563,9 +618,22 @@ def _report(run: _Run, metrics, progress, logged: int) -> int:
         return logged
     loss = float(np.mean(run.losses[-every:]))
     auc = run.window_auc()
-    _log.info("step %d: loss %.4f, auc %.4f", trained, loss, auc)
+    calls = clock.window_calls
+    seconds, waiting = clock.window()
+    examples_per_s = calls * run.config.global_batch_size / seconds if seconds > 0 else 0.0
+    _log.info(
+        "step %d: loss %.4f, auc %.4f, %.0f examples/s, %.0f%% of the time waiting for input",
+        trained,
+        loss,
+        auc,
+        examples_per_s,
+        100 * waiting,
+    )
+    progress.throughput(examples_per_s, waiting)
     metrics.scalar("train/loss", loss, trained)
     metrics.scalar("train/auc", auc, trained)
+    metrics.scalar("train/examples_per_s", examples_per_s, trained)
+    metrics.scalar("train/input_wait_share", waiting, trained)
     return trained
 
 

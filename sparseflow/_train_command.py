@@ -10,8 +10,16 @@ from pathlib import Path
 
 import jax
 
+import embedding
 from sparseflow import _launch, _train
-from sparseflow._arguments import non_negative_int, positive_int
+from sparseflow._arguments import (
+    add_compilation_cache_argument,
+    add_devices_argument,
+    non_negative_int,
+    positive_int,
+)
+from sparseflow._checkpoint import CheckpointMismatchError
+from sparseflow._command_config import CommandConfig
 from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
 
@@ -52,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=argparse.SUPPRESS,
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_devices_argument(parser)
+    add_compilation_cache_argument(parser)
     parser.add_argument(
         "--num-processes",
         type=positive_int,
@@ -91,18 +101,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace, config: RunConfig) -> None:
-    config = with_agreement_security(args, config)
+def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
     if args.num_processes < 1:
         raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}.")
-    if config.mesh.devices % args.num_processes:
+    # None (auto): every process shows the CPU devices its share of the cores
+    # calls for (`_launch.cpu_devices_for_auto`), or the accelerators it sees.
+    requested = command_config.requested_devices
+    if requested is not None and requested % args.num_processes:
+        given = "--devices" if args.devices is not None else "mesh.devices:"
         raise UsageError(
-            f"{config.mesh.devices} devices cannot be split over {args.num_processes} processes."
+            f"{given} {requested} cannot be split over {args.num_processes} processes "
+            "(--num-processes): give a multiple of it."
         )
-    per_process = config.mesh.devices // args.num_processes
+    per_process = None if requested is None else requested // args.num_processes
     if args.num_processes > 1 and args.process_id is None:
+        # The launcher starts no JAX backend (`auto` is the launched processes'
+        # to resolve); a config that needs no JAX to check is checked once here.
+        if requested is not None:
+            command_config.load()
         argv = list(args.argv)
-        if not (args.agreement_port or config.training.agreement_port):
+        if not (args.agreement_port or command_config.early().training.agreement_port):
             argv += [
                 "--agreement-port",
                 str(_launch.free_port_block(args.num_processes, _train.AGREEMENT_PORT_STRIDE)),
@@ -114,6 +132,8 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
             raise SystemExit(error.exit_status) from error
         return
     # Only the CPU platform reads this; it must be set before JAX starts a backend.
+    if per_process is None:
+        per_process = _launch.cpu_devices_for_auto(args.num_processes)
     _launch.use_cpu_devices(per_process)
     if args.num_processes > 1:
         if args.coordinator is None:
@@ -124,7 +144,15 @@ def run(args: argparse.Namespace, config: RunConfig) -> None:
             args.process_id,
             bind_address=args.coordinator_bind_address,
         )
-    result = _train.train(config, options(args, config))
+    config = with_agreement_security(args, command_config.load())
+    try:
+        result = _train.train(config, options(args, config))
+    except (embedding.FdoStatsError, CheckpointMismatchError) as error:
+        # Stats or checkpoints of another device count (the mismatch names
+        # `geometry.devices` or `mesh.devices`): say where this run's came from.
+        if config.devices_origin is not None and ".devices:" in str(error):
+            error.add_note(f"Devices of this run: {config.devices_origin}.")
+        raise
     prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
     print(prefix + summary(config, result), flush=True)
 

@@ -211,3 +211,61 @@ def test_partition_count_must_be_a_power_of_two(global_, slots):
 def test_non_feature_leaves_are_rejected():
     with pytest.raises(TypeError, match="Expected FeatureSpec leaves"):
         embedding.prepare_feature_specs_for_training({"f": "not a spec"}, 1, 1)
+
+
+def _stack_names(specs):
+    return {
+        f.name: (f.table_spec.stacked_table_spec.stack_name if f.table_spec.is_stacked() else None)
+        for f in specs
+    }
+
+
+def test_auto_stack_groups_by_padded_dim_optimizer_and_combiner():
+    # Padded dims: 12 and 16 -> 16 (same group), 4 -> 8. Groups in first-use order.
+    adagrad = embedding.AdagradOptimizerSpec(learning_rate=0.1)
+    tables = {
+        "u": Table(name="u", vocabulary_size=64, embedding_dim=16),
+        "v": Table(name="v", vocabulary_size=64, embedding_dim=4),
+        "w": Table(name="w", vocabulary_size=64, embedding_dim=12),
+        "x": Table(name="x", vocabulary_size=64, embedding_dim=16, optimizer=adagrad),
+        "y": Table(name="y", vocabulary_size=64, embedding_dim=16, combiner="mean"),
+        "z": Table(name="z", vocabulary_size=64, embedding_dim=16),
+        "k": Table(name="k", vocabulary_size=64, embedding_dim=4),
+    }
+    features = [_feature(f"f{name}", table) for name, table in tables.items()]
+    features.append(_feature("fu2", tables["u"]))
+    stacked = embedding.auto_stack_tables(features, 2, 4)
+    assert _stack_names(stacked) == {
+        "fu": "u_w_z",
+        "fv": "v_k",
+        "fw": "u_w_z",
+        "fx": None,
+        "fy": None,
+        "fz": "u_w_z",
+        "fk": "v_k",
+        "fu2": "u_w_z",
+    }
+    # The same as stacking the groups by hand.
+    by_hand = embedding.stack_tables(features, ["u", "w", "z"], 2, 4)
+    by_hand = embedding.stack_tables(by_hand, ["v", "k"], 2, 4)
+    assert stacked == by_hand
+
+
+def test_auto_stack_leaves_stacked_tables_and_shortens_long_names():
+    names = [f"table_number_{i:02d}" for i in range(10)]  # joined: 159 characters
+    tables = [Table(name=name, vocabulary_size=64) for name in names]
+    features = [_feature(f"f{i}", t) for i, t in enumerate(tables)]
+    features = embedding.stack_tables(features, names[:2], 1, 2)
+    stacked = embedding.auto_stack_tables(features, 1, 2)
+    assert _stack_names(stacked) == {
+        "f0": "table_number_00_table_number_01",
+        "f1": "table_number_00_table_number_01",
+        **{f"f{i}": "table_number_02_to_table_number_09_8_tables" for i in range(2, 10)},
+    }
+
+
+def test_auto_stack_leaves_a_lone_table_alone():
+    (feature,) = embedding.auto_stack_tables(
+        [_feature("f", Table(name="t", vocabulary_size=8))], 1, 1
+    )
+    assert not feature.table_spec.is_stacked()

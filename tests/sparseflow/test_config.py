@@ -186,8 +186,34 @@ def test_optional_sections_take_their_defaults(tmp_path):
     assert config.preprocessing.allow_id_dropping is False
     assert config.preprocessing.invalid_id_policy is embedding.InvalidIdPolicy.RAISE
     assert config.synthetic.shards == 1
-    assert not any(f.table_spec.is_stacked() for f in config.feature_specs.values())
+    # a and b share dim, optimizer and combiner: stacked by default; c has its own.
+    stacks = {name: f.table_spec.stacked_table_spec for name, f in config.feature_specs.items()}
+    assert {name: s.stack_name if s else None for name, s in stacks.items()} == {
+        "fa1": "a_b",
+        "fa2": "a_b",
+        "fb": "a_b",
+        "fc": None,
+    }
     assert config.training.worker_priority is pipelines.WorkerPriority.IDLE
+
+
+@pytest.mark.parametrize("stacks", ["auto", "none"])
+def test_stacks_auto_and_none(tmp_path, stacks):
+    explicit = load_config(_write(tmp_path, _base()))
+    raw = _base()
+    raw["stacks"] = stacks
+    config = load_config(_write(tmp_path, raw))
+    if stacks == "auto":
+        assert config.feature_specs == explicit.feature_specs
+    else:
+        assert not any(f.table_spec.is_stacked() for f in config.feature_specs.values())
+
+
+def test_stacks_of_another_word_is_an_error(tmp_path):
+    raw = _base()
+    raw["stacks"] = "all"
+    with pytest.raises(ConfigError, match=r"stacks: expected 'auto', 'none' or a list"):
+        load_config(_write(tmp_path, raw))
 
 
 def test_absolute_dataset_dir_is_kept(tmp_path):
@@ -258,7 +284,7 @@ def test_fdo_layout_ignores_what_the_stats_do_not_depend_on(tmp_path, path, valu
         ("global_batch_size", 128, "geometry.global_batch_size: 64 in the stats, 128 now"),
         ("mesh.partitions_per_device", 4, "geometry.partitions_per_device: 2 in the stats, 4"),
         ("preprocessing.invalid_ids", "raise", 'invalid_ids: "drop" in the stats, "raise" now'),
-        ("stacks", None, 'tables.b.stack: "a_b" in the stats, "b" now'),
+        ("stacks", "none", 'tables.b.stack: "a_b" in the stats, "b" now'),
     ],
 )
 def test_fdo_layout_names_what_changed(tmp_path, path, value, named):
@@ -558,3 +584,12 @@ def test_benchmark_config_has_the_benchmark_geometry():
     assert {
         (f.min_valency, f.max_valency, f.zipf_exponent) for f in config.synthetic.dataset.features
     } == {(1, 20, 1.1)}
+
+
+def test_feature_projection_off_needs_every_dim_to_be_the_interaction_dim(tmp_path):
+    raw = _base()  # dims: a 8, b 8, c 16
+    raw["model"] = {"bottom_mlp": [32, 8], "feature_projection": False}
+    with pytest.raises(ConfigError, match=r"model\.feature_projection: .*\{'fc': 16\}"):
+        load_config(_write(tmp_path, raw))
+    raw["tables"][2]["embedding_dim"] = 8
+    assert load_config(_write(tmp_path, raw)).model.feature_projection is False

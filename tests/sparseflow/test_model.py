@@ -21,10 +21,13 @@ def _reference_forward(params, dense, activations):
         return x
 
     x0 = mlp(params["bottom"], dense.astype(np.float64), True)
-    vectors = [x0] + [
-        activations[name].astype(np.float64) @ np.asarray(params["project"][name], np.float64)
-        for name in sorted(params["project"])
-    ]
+    if "project" in params:
+        vectors = [x0] + [
+            activations[name].astype(np.float64) @ np.asarray(params["project"][name], np.float64)
+            for name in sorted(params["project"])
+        ]
+    else:
+        vectors = [x0] + [activations[name].astype(np.float64) for name in sorted(activations)]
     batch = dense.shape[0]
     pairs = []
     for b in range(batch):
@@ -36,10 +39,15 @@ def _reference_forward(params, dense, activations):
     return mlp(params["top"], top_input, False)[:, 0]
 
 
-def test_forward_matches_reference():
-    config = _model.ModelConfig(bottom_mlp=(8, 4), top_mlp=(6,))
-    dims = {"a": 8, "b": 16, "c": 4}
+@pytest.mark.parametrize(
+    "projection, dims",
+    [(True, {"a": 8, "b": 16, "c": 4}), (False, {"b": 4, "a": 4, "c": 4})],
+    ids=["projected", "as they are"],
+)
+def test_forward_matches_reference(projection, dims):
+    config = _model.ModelConfig(bottom_mlp=(8, 4), top_mlp=(6,), feature_projection=projection)
     params = _model.init_params(jax.random.key(0), config, 5, dims)
+    assert ("project" in params) == projection
     rng = np.random.default_rng(0)
     dense = rng.normal(size=(7, 5)).astype(np.float32)
     activations = {k: rng.normal(size=(7, d)).astype(np.float32) for k, d in dims.items()}
@@ -47,6 +55,33 @@ def test_forward_matches_reference():
     np.testing.assert_allclose(
         got, _reference_forward(params, dense, activations), rtol=1e-4, atol=1e-5
     )
+
+
+def test_without_feature_projection_every_dim_must_be_the_interaction_dim():
+    config = _model.ModelConfig(bottom_mlp=(8, 4), feature_projection=False)
+    with pytest.raises(ValueError, match=r"width 4; the features \{'b': 8\}"):
+        _model.init_params(jax.random.key(0), config, 5, {"a": 4, "b": 8})
+
+
+def test_pairwise_dots_and_their_gradient_match_float64():
+    # loss = sum_p c_p * (v_i . v_j) for pair p = (i, j): d loss / d v_i = sum_j c_(ij) v_j.
+    rng = np.random.default_rng(3)
+    n, batch, d = 5, 3, 4
+    vectors = [rng.normal(size=(batch, d)).astype(np.float32) for _ in range(n)]
+    pairs = list(itertools.combinations(range(n), 2))
+    weights = rng.normal(size=(batch, len(pairs))).astype(np.float32)
+    v64 = [v.astype(np.float64) for v in vectors]
+    want = np.stack([np.sum(v64[i] * v64[j], axis=1) for i, j in pairs], axis=1)
+    want_grads = [np.zeros((batch, d)) for _ in range(n)]
+    for p, (i, j) in enumerate(pairs):
+        want_grads[i] += weights[:, p : p + 1] * v64[j]
+        want_grads[j] += weights[:, p : p + 1] * v64[i]
+
+    got = np.asarray(_model.pairwise_dots(vectors))
+    grads = jax.grad(lambda vs: (_model.pairwise_dots(vs) * weights).sum())(vectors)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
 
 
 def test_training_reduces_loss():

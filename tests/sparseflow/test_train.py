@@ -11,9 +11,10 @@ import jax
 import numpy as np
 import pytest
 from train_cases import cli as _cli
+from train_cases import small_demo_config
 
 import pipelines
-from sparseflow import _train
+from sparseflow import _train, load_config
 from sparseflow._errors import UsageError
 
 
@@ -134,3 +135,56 @@ def test_a_device_count_other_than_the_configs_is_a_usage_error(small_run):
     fewer = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, devices=4))
     with pytest.raises(UsageError, match=r"mesh\.devices is 4, but JAX shows 8 devices"):
         _train.train(fewer, _train.TrainOptions(data=data))
+
+
+def test_stacked_and_unstacked_tables_train_alike(small_run):
+    # The demo's tables stack into 6 stacks by default (`stacks: auto`); apart,
+    # each table is its own. Same rows, initializers and updates: the losses
+    # differ only by the order of float sums.
+    tmp, _, _, data = small_run
+    losses = {}
+    for stacks in ("auto", "none"):
+        path = small_demo_config(tmp, {"steps": 4}, name=f"stacks-{stacks}.yaml", stacks=stacks)
+        config = load_config(path)
+        names = {
+            f.table_spec.name for f in config.feature_specs.values() if f.table_spec.is_stacked()
+        }
+        assert bool(names) == (stacks == "auto")
+        result = _train.train(config, _train.TrainOptions(data=data, progress=False))
+        losses[stacks] = np.array(result.losses)
+    assert losses["auto"].shape == (4,)
+    np.testing.assert_allclose(losses["auto"], losses["none"], rtol=1e-5)
+    assert not np.array_equal(losses["auto"][:1], losses["auto"][-1:])  # it trained
+
+
+def test_the_clock_splits_a_window_into_examples_and_input_wait(monkeypatch):
+    now = [10.0]
+    monkeypatch.setattr(_train.time, "perf_counter", lambda: now[0])
+    clock = _train._Clock(began=10.0, window_start=10.0)
+    for wait, call in ((0.3, 0.1), (0.1, 0.5)):
+        now[0] += wait + call
+        clock.add(wait, call)
+    now[0] += 1.0  # logging, a checkpoint: in the window, neither wait nor call
+    assert clock.window() == (2.0, 0.2)
+    assert clock.first_step_end == 10.4
+    now[0] += 0.5
+    clock.add(0.5, 0.0)
+    assert clock.window() == (0.5, 1.0)  # only the new window's wait
+    assert clock.waits == [0.3, 0.1, 0.5] and clock.calls == [0.1, 0.5, 0.0]
+
+
+def test_the_log_shows_examples_per_second_and_input_wait(small_run, caplog):
+    _, _, config, data = small_run
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, log_every=2))
+    with caplog.at_level("INFO", logger="sparseflow._train"):
+        result = _train.train(config, _train.TrainOptions(data=data, steps=4, progress=False))
+    lines = re.findall(
+        r"step (\d+): .* ([0-9]+) examples/s, ([0-9]+)% of the time waiting for input",
+        caplog.text,
+    )
+    assert [step for step, _, _ in lines] == ["2", "4"]
+    assert all(int(rate) > 0 and 0 <= int(share) <= 100 for _, rate, share in lines)
+    assert len(result.input_wait_seconds) == len(result.call_seconds) == 6  # pipelined: n + 2
+    assert all(wait >= 0 for wait in result.input_wait_seconds)
+    # set-up, the first batch and the first call (its compilation) come before it
+    assert result.time_to_first_step > result.input_wait_seconds[0] + result.call_seconds[0]

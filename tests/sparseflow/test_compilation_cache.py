@@ -1,0 +1,143 @@
+"""JAX's persistent compilation cache under `sparseflow train`: filled once, then loaded.
+
+Every run here is a real training run in a fresh process (the cache is
+read and written once per process), counting JAX's own cache events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from tiny_config import tiny_config
+
+import pipelines
+from sparseflow import _compilation_cache, load_config
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+HITS = "/jax/compilation_cache/cache_hits"
+WRITES = "/jax/compilation_cache/cache_misses"  # recorded once an entry is written
+STEPS = 3
+
+
+def _train(tmp: Path, name: str, cache: Path, *flags: str) -> dict:
+    """A 3-step run of the tiny config on one CPU device; its exit, events, losses and stderr."""
+    checkpoints = tmp / f"checkpoints_{name}"
+    argv = ["train", "--config", str(tmp / "tiny.yaml"), "--devices", "1", "--steps", str(STEPS)]
+    argv += ["--no-progress", "--checkpoint-dir", str(checkpoints), *flags]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(REPO), SPARSEFLOW_COMPILATION_CACHE=str(cache))
+    result = subprocess.run(
+        [sys.executable, str(HERE / "compilation_cache_process.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.splitlines()[-1])
+    # The last checkpoint (a pipelined run's last call is past its last step) has every loss.
+    last = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    metadata = checkpoints / str(last) / "metadata" / "metadata"
+    outcome["losses"] = json.loads(metadata.read_text())["losses"]
+    outcome["stderr"] = result.stderr
+    return outcome
+
+
+def _entries(folder: Path) -> dict[str, int]:
+    """The folder's files and when each was written; none when there is no folder."""
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} if folder.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run without the cache, then twice with it, and the cache after each."""
+    tmp = tmp_path_factory.mktemp("cache_runs")
+    config = load_config(tiny_config(tmp))
+    pipelines.write_synthetic_dataset(
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+    )
+    cache, unused = tmp / "cache", tmp / "unused_cache"
+    unused.mkdir()
+    uncached = _train(tmp, "uncached", unused, "--no-compilation-cache")
+    first = _train(tmp, "first", cache)
+    after_first = _entries(cache)
+    second = _train(tmp, "second", cache)
+    return {
+        "uncached": uncached,
+        "unused_cache": list(unused.iterdir()),
+        "first": first,
+        "after_first": after_first,
+        "second": second,
+        "after_second": _entries(cache),
+    }
+
+
+def test_the_first_run_fills_the_cache(runs):
+    first = runs["first"]
+    assert first["events"].get(WRITES, 0) > 0 and HITS not in first["events"]
+    # One file per program written (JAX's cache keeps one `<key>-cache` file each).
+    assert len(runs["after_first"]) == first["events"][WRITES]
+
+
+def test_the_second_run_loads_every_program_and_trains_bitwise_the_same(runs):
+    first, second = runs["first"], runs["second"]
+    assert second["events"].get(HITS) == first["events"][WRITES]
+    assert WRITES not in second["events"]
+    assert runs["after_second"] == runs["after_first"]
+    assert len(second["losses"]) == STEPS
+    # Floats through JSON keep every bit; compare their bit patterns all the same.
+    assert [x.hex() for x in second["losses"]] == [x.hex() for x in first["losses"]]
+
+
+def test_no_compilation_cache_neither_reads_nor_writes_and_trains_the_same(runs):
+    uncached = runs["uncached"]
+    assert runs["unused_cache"] == []
+    assert HITS not in uncached["events"] and WRITES not in uncached["events"]
+    assert [x.hex() for x in uncached["losses"]] == [x.hex() for x in runs["first"]["losses"]]
+
+
+def test_a_folder_that_cannot_be_written_warns_once_and_trains(tmp_path):
+    config = load_config(tiny_config(tmp_path))
+    pipelines.write_synthetic_dataset(
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+    )
+    # Under a regular file no folder can be made, whoever runs the test (root too).
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    run = _train(tmp_path, "unwritable", blocker / "cache")
+    assert HITS not in run["events"] and WRITES not in run["events"]
+    assert len(run["losses"]) == STEPS
+    lines = run["stderr"].splitlines()
+    assert lines == [
+        f"WARNING sparseflow._compilation_cache: The compilation cache folder {blocker / 'cache'} "
+        "cannot be written (Not a directory); compiling without the cache."
+    ], lines
+
+
+@pytest.fixture
+def no_jax_cache_folder(monkeypatch):
+    """JAX's own `jax_compilation_cache_dir` unset for the test (a run in this process sets it)."""
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.delenv(_compilation_cache.ENV, raising=False)
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_the_cache_lives_in_the_users_cache_folder(no_jax_cache_folder, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _compilation_cache.folder() == tmp_path / "xdg" / "sparseflow" / "jax-compilation-cache"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    expected = tmp_path / "home" / ".cache" / "sparseflow" / "jax-compilation-cache"
+    assert _compilation_cache.folder() == expected
+    monkeypatch.setenv(_compilation_cache.ENV, str(tmp_path / "named"))
+    assert _compilation_cache.folder() == tmp_path / "named"
