@@ -31,9 +31,7 @@ into `--data-dir` and reused, as everything below that is not timed.
     with the config's record layout: the same FarmHash ids modulo 100,000,
     log1p counts and labels), in file order, cycled: its cheapest input.
 
-Each round runs TorchRec, ours on 1 device, ours on as many devices as
-`mesh.devices: auto` gives on this machine's CPU (a device per core, a power
-of two; `ours_auto`, left out where that is 1 or 8) and ours on 8 devices
+Each round runs TorchRec, ours on 1 device and ours on 8 devices
 (`--no-8dev` skips it), every other round in reverse order. A step of ours is
 a call of the trainer's loop plus the loop's wait for that call's batch
 (`TrainResult.input_wait_seconds`, where the trainer reports it; the wait
@@ -56,7 +54,6 @@ the rounds run without it): `first_run_first_step_s`,
 
 `ratio_vs_torchrec_e2e` is our 1-device steady-state examples/s over
 TorchRec's (above 1 we are faster), `_8dev` the same for 8 devices,
-`_auto` for `mesh.devices: auto` (as the shipped config runs here),
 `_whole_run` on whole-run examples/s, `ours_8dev_over_1dev` ours on 8 devices
 over ours on 1: each the median of the rounds' ratios. Every run's own output
 is kept in `--data-dir`/last-run. The last line printed is one JSON object.
@@ -92,7 +89,6 @@ from _line_protocol import ChildError, LineProcess
 import pipelines
 import sparseflow
 from embedding import SparseflowError
-from sparseflow import _launch
 
 BENCHMARKS = Path(__file__).resolve().parent
 OURS_RUNNER = BENCHMARKS / "_train_vs_torchrec_ours.py"
@@ -101,9 +97,7 @@ BATCH = 4096
 LOSS_WINDOW = 20
 CACHE_RUN_STEPS = 5
 COMPILATION_CACHE = "SPARSEFLOW_COMPILATION_CACHE"
-# `mesh.devices: auto` on this machine's CPU: a device per core (a power of two).
-AUTO_DEVICES = _launch.cpu_devices_for_auto()
-DEVICES = {"ours": 1, "ours_auto": AUTO_DEVICES, "ours_8dev": 8}
+DEVICES = {"ours": 1, "ours_8dev": 8}
 # `_train._loop` takes the next batch before it starts timing a call.
 WAIT_INSIDE_CALL = False
 
@@ -326,12 +320,6 @@ def ratios(per_round: dict[str, list[dict]]) -> dict:
             "whole_run_examples_per_s",
         ),
         "ours_8dev_over_1dev": ("ours_8dev", "ours", "examples_per_s"),
-        "ratio_vs_torchrec_e2e_auto": ("ours_auto", "torchrec", "examples_per_s"),
-        "ratio_vs_torchrec_e2e_whole_run_auto": (
-            "ours_auto",
-            "torchrec",
-            "whole_run_examples_per_s",
-        ),
     }
     out = {}
     for key, (ours, peer, figure) in pairs.items():
@@ -385,11 +373,7 @@ class Setup:
         if per_epoch < 1:
             raise SystemExit(f"{self.records} records make no batch of {BATCH}; raise --lines")
         self.epochs = math.ceil(args.steps / per_epoch)
-        self.devices = {
-            name: d
-            for name, d in DEVICES.items()
-            if (d == 1 or args.eight_devices) and (name != "ours_auto" or d not in (1, 8))
-        }
+        self.devices = {name: d for name, d in DEVICES.items() if d == 1 or args.eight_devices}
         self.configs = {
             name: derived_config(args, records, d, self.epochs) for name, d in self.devices.items()
         }
@@ -454,7 +438,6 @@ def main() -> None:
         "rounds": args.rounds,
         "warmup_calls": args.warmup_calls,
         "partitions_per_device": setup.config.mesh.partitions_per_device,
-        "auto_devices": AUTO_DEVICES,
         "feature_projection": setup.feature_projection,
         "torchrec_version": greeting["torchrec"],
         "torchrec_threads": greeting["threads"],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparseflow import _launch
 from sparseflow._config import EarlySettings, RunConfig, load_config, read_early_settings
 from sparseflow._config_mesh import AUTO, DeviceCount
 from sparseflow._shipped_configs import shipped_config
@@ -67,9 +66,6 @@ class CommandConfig:
           ConfigError: as `load_config`.
         """
         devices = None
-        if self.requested_devices is None:
-            # A no-op where the train command (or the user's XLA_FLAGS) set it.
-            _launch.use_cpu_devices(_launch.cpu_devices_for_auto())
         if self._devices is not None:
             written = self.early().devices
             devices = DeviceCount(

@@ -1,8 +1,7 @@
 """The config's `mesh` section and `global_batch_size`.
 
 `mesh.devices` is an integer or `auto`: the devices JAX sees (over every
-process of a run), asked when the config is loaded. On CPU the command line
-first makes JAX show one device per core (`_launch.cpu_devices_for_auto`). The command line's
+process of a run), asked when the config is loaded. The command line's
 `--devices N` takes its place. Messages about a count that did not come
 from the config's own integer say where it came from.
 """

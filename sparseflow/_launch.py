@@ -33,21 +33,6 @@ def use_cpu_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
 
 
-def cpu_devices_for_auto(num_processes: int = 1) -> int:
-    """The CPU devices each of `num_processes` local processes shows for `mesh.devices: auto`.
-
-    The largest power of two at most this process's usable cores divided
-    among the processes (at least 1). XLA:CPU runs one device's step almost
-    on one thread, so one device leaves the other cores to the input; as
-    many devices as cores run their shares of the step side by side (on 2
-    cores the 1-device DLRM step of the `criteo` config took 42-45 ms, the
-    2-device one 20-23 ms, 2026-11-27). A power of two, as partitions are.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = max(1, (cores or 1) // num_processes)
-    return 1 << (share.bit_length() - 1)
-
-
 def initialize_distributed(
     coordinator: str, num_processes: int, process_id: int, *, bind_address: str | None = None
 ) -> None:

@@ -104,8 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
     if args.num_processes < 1:
         raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}.")
-    # None (auto): every process shows the CPU devices its share of the cores
-    # calls for (`_launch.cpu_devices_for_auto`), or the accelerators it sees.
+    # None (auto): every process shows the devices it sees, none is forced.
     requested = command_config.requested_devices
     if requested is not None and requested % args.num_processes:
         given = "--devices" if args.devices is not None else "mesh.devices:"
@@ -132,9 +131,8 @@ def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
             raise SystemExit(error.exit_status) from error
         return
     # Only the CPU platform reads this; it must be set before JAX starts a backend.
-    if per_process is None:
-        per_process = _launch.cpu_devices_for_auto(args.num_processes)
-    _launch.use_cpu_devices(per_process)
+    if per_process is not None:
+        _launch.use_cpu_devices(per_process)
     if args.num_processes > 1:
         if args.coordinator is None:
             raise UsageError("--process-id needs --coordinator host:port.")

@@ -75,11 +75,11 @@ _SHOWN = re.compile(r"^tiny: (\d+) devices? x 2 partitions", re.MULTILINE)
 @pytest.mark.parametrize(
     "xla_flags, flags, expected",
     [
-        (None, [], _launch.cpu_devices_for_auto()),
+        (None, [], 1),
         ("--xla_force_host_platform_device_count=2", [], 2),
         (None, ["--devices", "8"], 8),
     ],
-    ids=["auto, a CPU device per core", "auto, XLA_FLAGS for 2", "--devices 8 over auto"],
+    ids=["auto, one CPU device", "auto, XLA_FLAGS for 2", "--devices 8 over auto"],
 )
 def test_auto_is_the_devices_jax_sees_unless_devices_is_given(tmp_path, xla_flags, flags, expected):
     path = _auto_config(tmp_path)
@@ -250,11 +250,3 @@ def test_the_criteo_config_asks_for_the_devices_jax_sees_and_its_limits_hold_on_
 def test_a_device_count_given_by_itself_names_its_origin(tmp_path):
     config = load_config(_auto_config(tmp_path), devices=DeviceCount(2, "two, as asked"))
     assert (config.mesh.devices, config.devices_origin) == (2, "two, as asked")
-
-
-@pytest.mark.parametrize(
-    "cores, processes, expected", [(1, 1, 1), (2, 1, 2), (6, 1, 4), (8, 1, 8), (6, 2, 2), (2, 4, 1)]
-)
-def test_auto_on_cpu_is_a_power_of_two_of_the_cores(monkeypatch, cores, processes, expected):
-    monkeypatch.setattr(_launch.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    assert _launch.cpu_devices_for_auto(processes) == expected
