@@ -81,6 +81,12 @@ def _checked_chunk(header, h, data, d):
     data_size = np.int64(_u64(header, h + 8))
     if highway_hash64(data, d, data_size, RIEGELI_KEY) != _u64(header, h + 16):
         return CORRUPT, 0, 0, 0
+    return _chunk_fields(header, h)
+
+
+@numba.njit(cache=True, nogil=True)
+def _chunk_fields(header, h):
+    """`(OK, chunk_type, num_records, decoded_size)` of the header at `header[h]`, unchecked."""
     type_and_count = _u64(header, h + 24)
     chunk_type = np.int64(type_and_count & np.uint64(0xFF))
     num_records = np.int64(type_and_count >> np.uint64(8))
@@ -180,11 +186,14 @@ def _copy_single_record(data, start, stop, chunk, size, out, written):
 
 
 @numba.njit(cache=True, nogil=True)
-def read_single_records(file, chunk_positions, sizes, out, ends):
+def read_single_records(file, chunk_positions, sizes, out, ends, records, checked):
     """Reads one-record chunks into one buffer.
 
     A chunk inside one block (the usual case) is checked and read in place;
-    one that crosses a block header is gathered first (`read_chunk`).
+    one that crosses a block header is gathered first (`read_chunk`). A
+    chunk inside one block is checked the first time it is read: the hashes
+    took 8.7 of a 4096-record batch's 10 ms here (2.1 us a record of 700
+    bytes, 2026-11-27), and training reads every record once an epoch.
 
     Args:
       file: `uint8[file_size]`.
@@ -192,6 +201,9 @@ def read_single_records(file, chunk_positions, sizes, out, ends):
       sizes: `int64[k]` each record's expected size (from the file's index).
       out: `uint8[sizes.sum()]`, receives the records back to back.
       ends: `int64[k]`, receives where each record ends in `out`.
+      records: `int64[k]` each chunk's record index in the file.
+      checked: `uint8[records in the file]`, 1 where a record's chunk was
+        checked by an earlier read; set here for the chunks checked now.
 
     Returns:
       `(status, index of the failing chunk or -1)`.
@@ -202,8 +214,13 @@ def read_single_records(file, chunk_positions, sizes, out, ends):
         if _inside_one_block(file, position):
             start = position + _CHUNK_HEADER_SIZE
             stop = start + np.int64(_u64(file, position + 8))
-            chunk = _checked_chunk(file, position, file, start)
+            if checked[records[i]]:
+                chunk = _chunk_fields(file, position)
+            else:
+                chunk = _checked_chunk(file, position, file, start)
             status = _copy_single_record(file, start, stop, chunk, sizes[i], out, written)
+            if status == OK:
+                checked[records[i]] = 1
         else:
             status, data, chunk_type, num_records, decoded_size = read_chunk(file, position)
             chunk = (status, chunk_type, num_records, decoded_size)

@@ -134,6 +134,30 @@ def test_a_flipped_byte_in_a_record_is_named(plain_file, tmp_path, offset):
         reader.read([3, 17])
 
 
+def test_a_record_is_checked_the_first_time_a_process_reads_it(plain_file, tmp_path):
+    # The file changes in place after records 16 and 17 were read (which a
+    # reader does not allow): the first read of record 18 checks it and names
+    # it, a second read of 17 reads what is there without checking it again,
+    # and a new reader (another process) checks 17 again.
+    source, records = plain_file
+    path = tmp_path / "changing.array_record"
+    shutil.copy(source, path)
+    reader = ArrayRecordReader([str(path)])
+    assert reader.read([16, 17]) == records[16:18]
+    data = bytearray(path.read_bytes())
+    for r in (17, 18):
+        at = data.index(records[r])
+        data[at] ^= 0x01
+    with open(path, "r+b") as file:
+        file.write(data)
+    with pytest.raises(ValueError, match=f"Record 18 of {path} cannot be read"):
+        reader.read([18])
+    changed = bytes([records[17][0] ^ 0x01]) + records[17][1:]
+    assert reader.read([17]) == [changed]
+    with pytest.raises(ValueError, match=f"Record 17 of {path} cannot be read"):
+        ArrayRecordReader([str(path)]).read([17])
+
+
 def test_a_flipped_byte_in_a_chunk_header_is_named(plain_file, tmp_path):
     source, records = plain_file
     # A chunk's data is 1 compression byte, 2 varints, then the record; its
