@@ -2,8 +2,8 @@
 
 Loads a config as `sparseflow train --config` does, trains through
 `sparseflow._train.train` (progress off, no checkpoints, the FDO stats of
-`--fdo`) and prints one JSON line: per-call seconds, per-call input waits
-(when the trainer measures them), losses, and the seconds from this
+`--fdo`) and prints one JSON line: per-call seconds, per-call input waits,
+losses, and the seconds from this
 process's start (before jax is imported) to the end of the first step and to
 the end of the run. With `--preprocess-batches N` it then times the
 trainer's own host input iterator alone, N batches without training
@@ -30,13 +30,8 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from sparseflow import _train  # noqa: E402
+from sparseflow import _compilation_cache, _train  # noqa: E402
 from sparseflow._cli import load_cli_config  # noqa: E402
-
-try:
-    from sparseflow import _compilation_cache
-except ImportError:  # a trainer without a persistent compilation cache
-    _compilation_cache = None
 
 
 def host_preprocess_ms(config, options: _train.TrainOptions, batches: int) -> list[float]:
@@ -54,18 +49,6 @@ def host_preprocess_ms(config, options: _train.TrainOptions, batches: int) -> li
     return times
 
 
-def first_step_seconds(result: _train.TrainResult, entered: float, returned: float) -> tuple:
-    """`(seconds from train() entry to the end of the first step call, how it was had)`.
-
-    From `TrainResult.time_to_first_step` where the trainer has it; else
-    estimated as train()'s wall time less the loop's, plus the first call.
-    """
-    measured = getattr(result, "time_to_first_step", None)
-    if measured is not None:
-        return measured, "measured"
-    return (returned - entered) - result.seconds + result.call_seconds[0], "estimated"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
@@ -75,9 +58,9 @@ def main() -> None:
     parser.add_argument("--compilation-cache", action="store_true")
     args = parser.parse_args()
     cache = None  # the cache's folder while it is on
-    if _compilation_cache is not None and args.compilation_cache:
+    if args.compilation_cache:
         cache = _compilation_cache.enable()
-    elif _compilation_cache is not None:
+    else:
         _compilation_cache.disable()
     config = load_cli_config(args.config)
     options = _train.TrainOptions(
@@ -89,25 +72,21 @@ def main() -> None:
     entered = time.perf_counter()
     result = _train.train(config, options)
     returned = time.perf_counter()
-    first_step, source = first_step_seconds(result, entered, returned)
     params = result.train_state.params
     figures = {
         "devices": jax.device_count(),
         "steps": result.steps,
         "call_seconds": result.call_seconds,
         "losses": result.losses,
-        "time_to_first_step_s": entered - STARTED + first_step,
-        "time_to_first_step_source": source,
+        "time_to_first_step_s": entered - STARTED + result.time_to_first_step,
         "run_s": returned - STARTED,
         "train_s": returned - entered,
         "loop_s": result.seconds,
         "feature_projection": bool(params.get("project")),
         "compilation_cache": None if cache is None else str(cache),
         "limits": {name: limits.max_ids_per_partition for name, limits in result.limits.items()},
+        "input_wait_seconds": result.input_wait_seconds,
     }
-    waits = getattr(result, "input_wait_seconds", None)
-    if waits is not None:
-        figures["input_wait_seconds"] = list(waits)
     if args.preprocess_batches:
         figures["host_preprocess_ms"] = host_preprocess_ms(config, options, args.preprocess_batches)
     print(json.dumps(figures), flush=True)

@@ -10,10 +10,10 @@ into `--data-dir` and reused, as everything below that is not timed.
   * Ours, as a user runs it: `sparseflow import --format criteo` into
     ArrayRecord, then training with the shipped `criteo` config changed only
     where the benchmark needs it: `global_batch_size` 4096, `mesh.devices` 1
-    (and 8; `partitions_per_device` stays 2), the data, enough
-    `training.epochs` for `--steps` batches, and `model.feature_projection:
-    false` where the config loader takes that key (TorchRec's DLRM has no
-    projection; which one ran is reported). The limits come from `sparseflow
+    (and 8; `partitions_per_device` stays 2), the data and enough
+    `training.epochs` for `--steps` batches. The config's DLRM has no
+    per-feature projection (`model.feature_projection: false`), as TorchRec's
+    has none. The limits come from `sparseflow
     fdo` run once per mesh and passed as `--fdo`; `allow_id_dropping` stays
     false. The derived configs are YAML files in the cache folder. Each run is
     a fresh process (`_train_vs_torchrec_ours.py`; the device count is fixed
@@ -31,26 +31,25 @@ into `--data-dir` and reused, as everything below that is not timed.
     with the config's record layout: the same FarmHash ids modulo 100,000,
     log1p counts and labels), in file order, cycled: its cheapest input.
 
-Each round runs TorchRec, ours on 1 device and ours on 8 devices
-(`--no-8dev` skips it), every other round in reverse order. A step of ours is
-a call of the trainer's loop plus the loop's wait for that call's batch
-(`TrainResult.input_wait_seconds`, where the trainer reports it; the wait
-falls outside the call); a step of TorchRec is zero_grad, forward, loss,
-backward and the optimizer step. Per run: the steady state is the median step
-after the first `--warmup-calls` (30) calls (ours: up to the last call that
-carries a batch; a pipelined run ends with two that drain it); the whole run
-is the examples trained over the seconds from the process's start (before
-jax or torch is imported) to the end of its last step, compilation, set-up
-and input included; `time_to_first_step_s` is from that start to the end of
-the first step. Ours also reports where a step goes: `input_wait_ms`,
-`device_step_ms` (the call) and `host_preprocess_ms` (the trainer's host
-iterator timed alone, batch by batch, after training, in the same process). Each side's loss over
-its last 20 steps must be below its first 20's (`learns`). Figures are
-medians over rounds, with the min/max over rounds (`*_range`) and every
-round's ratio (`*_by_round`). Then our 1-device runner starts twice with an
-empty and then a warm compilation cache folder (`SPARSEFLOW_COMPILATION_CACHE`;
-the rounds run without it): `first_run_first_step_s`,
-`second_run_first_step_s`.
+Each round runs TorchRec, ours on 1 device and ours on 8 devices (`--no-8dev`
+skips it), every other round in reverse order. A step of ours is a call of
+the trainer's loop plus the loop's wait for that call's batch
+(`TrainResult.input_wait_seconds`; the wait falls outside the call); a step
+of TorchRec is zero_grad, forward, loss, backward and the optimizer step. Per
+run: the steady state is the median step after the first `--warmup-calls`
+(30) calls (ours: up to the last call that carries a batch; a pipelined run
+ends with two that drain it); the whole run is the examples trained over the
+seconds from the process's start (before jax or torch is imported) to the end
+of its last step, compilation, set-up and input included;
+`time_to_first_step_s` is from that start to the end of the first step. Ours
+also reports where a step goes: `input_wait_ms`, `device_step_ms` (the call)
+and `host_preprocess_ms` (the trainer's host iterator timed alone, batch by
+batch, after training, in the same process). Each side's loss over its last
+20 steps must be below its first 20's (`learns`). Figures are medians over
+rounds, with the min/max over rounds (`*_range`) and every round's ratio
+(`*_by_round`). Then our 1-device runner starts twice with an empty and then
+a warm compilation cache folder (`SPARSEFLOW_COMPILATION_CACHE`; the rounds
+run without it): `first_run_first_step_s`, `second_run_first_step_s`.
 
 `ratio_vs_torchrec_e2e` is our 1-device steady-state examples/s over
 TorchRec's (above 1 we are faster), `_8dev` the same for 8 devices,
@@ -88,7 +87,6 @@ from _line_protocol import ChildError, LineProcess
 
 import pipelines
 import sparseflow
-from embedding import SparseflowError
 
 BENCHMARKS = Path(__file__).resolve().parent
 OURS_RUNNER = BENCHMARKS / "_train_vs_torchrec_ours.py"
@@ -98,8 +96,6 @@ LOSS_WINDOW = 20
 CACHE_RUN_STEPS = 5
 COMPILATION_CACHE = "SPARSEFLOW_COMPILATION_CACHE"
 DEVICES = {"ours": 1, "ours_8dev": 8}
-# `_train._loop` takes the next batch before it starts timing a call.
-WAIT_INSIDE_CALL = False
 
 
 def parse_args() -> argparse.Namespace:
@@ -158,10 +154,7 @@ def import_records(args: argparse.Namespace, log: Path) -> Path:
 
 
 def derived_config(args: argparse.Namespace, records: Path, devices: int, epochs: int) -> Path:
-    """The shipped `criteo` config as the benchmark runs it, written as YAML.
-
-    `model.feature_projection: false` is kept only where the loader accepts it.
-    """
+    """The shipped `criteo` config as the benchmark runs it, written as YAML."""
     with open(sparseflow.shipped_config("criteo")) as file:
         raw = yaml.safe_load(file)
     raw["name"] = f"criteo-benchmark-{devices}dev"
@@ -170,16 +163,7 @@ def derived_config(args: argparse.Namespace, records: Path, devices: int, epochs
     raw["dataset"] = {"dir": str(args.data_dir), "train": str(records)}
     raw["training"].update(steps=args.steps, epochs=epochs)
     path = args.data_dir / f"{records.name}-{devices}dev-{epochs}epochs.yaml"
-    raw["model"]["feature_projection"] = False
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    try:
-        sparseflow.load_config(path)
-    except SparseflowError as error:
-        if "feature_projection" not in str(error):
-            raise
-        del raw["model"]["feature_projection"]
-        path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        sparseflow.load_config(path)
     return path
 
 
@@ -251,14 +235,14 @@ def ours_figures(run: dict, warmup: int) -> dict:
     run ends with two calls that only drain the pipeline).
     """
     calls = np.asarray(run["call_seconds"])
-    waits = run.get("input_wait_seconds")
+    # `_train._loop` takes a call's batch before it starts timing the call.
+    waits = np.asarray(run["input_wait_seconds"])
     steady = slice(warmup, run["steps"])
-    figures, steps, own = {}, calls, calls
-    if waits is not None:
-        waits = np.pad(np.asarray(waits), (0, max(calls.size - len(waits), 0)))[: calls.size]
-        figures["input_wait_ms"] = _median(waits[steady]) * 1e3
-        own, steps = (calls - waits, calls) if WAIT_INSIDE_CALL else (calls, calls + waits)
-    figures["device_step_ms"] = _median(own[steady]) * 1e3
+    steps = calls + waits
+    figures = {
+        "input_wait_ms": _median(waits[steady]) * 1e3,
+        "device_step_ms": _median(calls[steady]) * 1e3,
+    }
     if "host_preprocess_ms" in run:  # the first batch waits for the iterator to start
         figures["host_preprocess_ms"] = _median(run["host_preprocess_ms"][1:])
     return figures | _run_figures(run, _median(steps[steady]) * 1e3, run["steps"])
@@ -385,7 +369,7 @@ class Setup:
 
     @property
     def feature_projection(self) -> bool:
-        return getattr(self.config.model, "feature_projection", True)
+        return self.config.model.feature_projection
 
 
 def run_rounds(args: argparse.Namespace, setup: Setup) -> tuple[dict, dict, dict]:
@@ -414,7 +398,6 @@ def run_rounds(args: argparse.Namespace, setup: Setup) -> tuple[dict, dict, dict
             notes[name] = {
                 "feature_projection": run["feature_projection"],
                 "max_ids_per_partition": [limits[0], limits[-1]],
-                "time_to_first_step_source": run["time_to_first_step_source"],
             }
         (raw / f"{name}-{repeat}.json").write_text(json.dumps(run))
         _progress(name, runs[name][-1])

@@ -161,11 +161,8 @@ def load_config(
         missing, unknown, mistyped or inconsistent; the message names the
         file and the entry.
     """
-    source = os.fspath(path)
-    base = Path(source).parent if relative_to is None else Path(relative_to)
-    raw = parse_yaml(Path(path), source)
-    root = Node(raw, source, "")
-    mapping(root, _REQUIRED_KEYS, _OPTIONAL_KEYS)
+    source, base, root = _top_level(path, relative_to)
+    raw = root.value
     mesh, device_count = read_mesh(root.child("mesh"), devices)
     batch = read_global_batch_size(root, mesh, device_count)
     tables = read_tables(root.child("tables"))
@@ -210,6 +207,17 @@ def load_config(
     )
 
 
+def _top_level(
+    path: str | os.PathLike, relative_to: str | os.PathLike | None
+) -> tuple[str, Path, Node]:
+    """`(file name, folder relative paths start from, the checked top-level node)`."""
+    source = os.fspath(path)
+    base = Path(source).parent if relative_to is None else Path(relative_to)
+    root = Node(parse_yaml(Path(path), source), source, "")
+    mapping(root, _REQUIRED_KEYS, _OPTIONAL_KEYS)
+    return source, base, root
+
+
 def _training(root: Node, base: Path) -> TrainingConfig:
     return read_training(root.child("training"), base) if root.has("training") else TrainingConfig()
 
@@ -235,10 +243,7 @@ def read_early_settings(
     The rest of the config (whose checks need a device count) is not read:
     `auto` is resolved only once XLA_FLAGS and `jax.distributed` are set up.
     """
-    source = os.fspath(path)
-    base = Path(source).parent if relative_to is None else Path(relative_to)
-    root = Node(parse_yaml(Path(path), source), source, "")
-    mapping(root, _REQUIRED_KEYS, _OPTIONAL_KEYS)
+    _, base, root = _top_level(path, relative_to)
     return EarlySettings(
         devices=written_devices(root.child("mesh")),
         training=_training(root, base),

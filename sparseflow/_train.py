@@ -518,7 +518,7 @@ class _Clock:
             self.first_step_end = time.perf_counter()
 
     def window(self) -> tuple[float, float]:
-        """`(seconds, share waiting for input)` since the last call; starts a new window."""
+        """`(seconds, share waiting for input)` since the window began; starts a new one."""
         now = time.perf_counter()
         seconds = now - self.window_start
         waited = sum(self.waits[len(self.waits) - self.window_calls :])
@@ -618,9 +618,10 @@ def _report(run: _Run, metrics, progress, logged: int, clock: _Clock) -> int:
         return logged
     loss = float(np.mean(run.losses[-every:]))
     auc = run.window_auc()
-    calls = clock.window_calls
     seconds, waiting = clock.window()
-    examples_per_s = calls * run.config.global_batch_size / seconds if seconds > 0 else 0.0
+    # Batches trained, not calls: a pipelined run's first call trains none.
+    examples = (trained - logged) * run.config.global_batch_size
+    examples_per_s = examples / seconds if seconds > 0 else 0.0
     _log.info(
         "step %d: loss %.4f, auc %.4f, %.0f examples/s, %.0f%% of the time waiting for input",
         trained,

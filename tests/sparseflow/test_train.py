@@ -138,9 +138,10 @@ def test_a_device_count_other_than_the_configs_is_a_usage_error(small_run):
 
 
 def test_stacked_and_unstacked_tables_train_alike(small_run):
-    # The demo's tables stack into 6 stacks by default (`stacks: auto`); apart,
-    # each table is its own. Same rows, initializers and updates: the losses
-    # differ only by the order of float sums.
+    # By default (`stacks: auto`) the demo's ads and advertisers share a
+    # stack, and so do categories and geo; apart, each table is its own. Same
+    # rows, initializers and updates: the losses differ only by the order of
+    # float sums.
     tmp, _, _, data = small_run
     losses = {}
     for stacks in ("auto", "none"):
