@@ -36,6 +36,7 @@ from embedding._fdo_raises import (
     write_limit_raises,
 )
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
+from embedding._interaction import pairwise_dots
 from embedding._layout import LimitBreachError
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
 from embedding._minibatch import AllReduceInterface
@@ -138,6 +139,7 @@ __all__ = [
     "initializers",
     "jte_compat",
     "limit_raises_path",
+    "pairwise_dots",
     "load_fdo_stats",
     "load_limit_raises",
     "max_limits",

@@ -11,7 +11,9 @@ received rows (`benchmarks/lookup.py` measures the difference):
   the distinct rows and the rows to request from each device;
 * `pool` and its transpose: gain times row, summed per sample (and back);
 * `apply_update`: the owner merges the sorted runs of rows it received and
-  applies SGD, Adagrad or row-wise Adagrad once per row, in place.
+  applies SGD, Adagrad or row-wise Adagrad once per row, in place;
+* `pairwise_dots` and its transpose: the DLRM interaction of a batch's
+  activations (`_interaction.py`).
 
 The kernels that read an exchanged buffer (the gather, the pooling, the
 update) take it in the pieces the all-to-all leaves, one per device, so that
@@ -61,6 +63,8 @@ _TARGETS = {
     "SfUpdateSgd": "sparseflow_update_sgd",
     "SfUpdateAdagrad": "sparseflow_update_adagrad",
     "SfUpdateRowWiseAdagrad": "sparseflow_update_rowwise_adagrad",
+    "SfPairwiseDots": "sparseflow_pairwise_dots",
+    "SfPairwiseDotsTranspose": "sparseflow_pairwise_dots_transpose",
 }
 _UPDATE_TARGETS = {
     SGDOptimizerSpec: "sparseflow_update_sgd",
@@ -350,3 +354,19 @@ def apply_update(
         epsilon=np.float32(getattr(optimizer, "epsilon", 0.0)),
     )
     return outputs[0], type(slots)(*outputs[1:])
+
+
+def pairwise_dots(stacked: jax.Array) -> jax.Array:
+    """`float32[B, n (n - 1) / 2]`: the dots of every pair of `stacked:
+    float32[B, n, d]`'s vectors per sample, in `np.triu_indices(n, k=1)` order."""
+    b, n, _ = stacked.shape
+    return jax.ffi.ffi_call(
+        "sparseflow_pairwise_dots", jax.ShapeDtypeStruct((b, n * (n - 1) // 2), jnp.float32)
+    )(stacked)
+
+
+def pairwise_dots_transpose(stacked: jax.Array, grads: jax.Array) -> jax.Array:
+    """`float32[B, n, d]`: the gradient of `pairwise_dots(stacked)` for `grads`."""
+    return jax.ffi.ffi_call(
+        "sparseflow_pairwise_dots_transpose", jax.ShapeDtypeStruct(stacked.shape, jnp.float32)
+    )(stacked, grads)

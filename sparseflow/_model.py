@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import embedding
 from parallel import pipeshard
 from sparseflow._tower_config import DcnV2Tower, PipeshardConfig
 
@@ -188,67 +189,8 @@ def forward(params: Params, dense: jax.Array, activations: Mapping[str, jax.Arra
         projected = [activations[name] @ w for name, w in sorted(params["project"].items())]
     else:
         projected = [activations[name] for name in sorted(activations)]
-    top_input = jnp.concatenate([x0, pairwise_dots([x0, *projected])], axis=1)
+    top_input = jnp.concatenate([x0, embedding.pairwise_dots([x0, *projected])], axis=1)
     return _apply_mlp(params["top"], top_input, final_activation=False, mark_last=False)[:, 0]
-
-
-def pairwise_dots(vectors: Sequence[jax.Array]) -> jax.Array:
-    """The dot products of every pair of vectors, in `np.triu_indices(n, k=1)` order.
-
-    Args:
-      vectors: n arrays `float32[batch, d]`.
-
-    Returns:
-      `float32[batch, n (n - 1) / 2]`: `[v0.v1, v0.v2, .., v0.v(n-1), v1.v2, ..]`.
-    """
-    return _pairwise_dots(jnp.stack(vectors, axis=1))
-
-
-def _pair_indices(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """`(flat index in [n, n] of each pair, pair index of each of the n x n places)`.
-
-    The second maps both (i, j) and (j, i) to the pair's index, and the
-    diagonal to n (n - 1) / 2, one past the last pair.
-    """
-    rows, cols = np.triu_indices(n, k=1)
-    pairs = np.arange(rows.size)
-    places = np.full((n, n), rows.size)
-    places[rows, cols] = pairs
-    places[cols, rows] = pairs
-    return rows * n + cols, places.reshape(-1)
-
-
-@jax.custom_vjp
-def _pairwise_dots(stacked: jax.Array) -> jax.Array:
-    """`pairwise_dots` of `stacked: float32[batch, n, d]`, with a gradient of its own.
-
-    Autodiff of the Gram matrix and its upper triangle gives two batched
-    products and a scatter of the triangle's gradient. The gradient here is
-    one batched product with the symmetric matrix of the pairs' gradients,
-    gathered in place (a gather, not a scatter): forward and backward took
-    20 and 30 ms against autodiff's 47 and 82 ms on CPU (medians of two
-    alternated runs, batch 4096, 27 vectors of 16, 2 shared cores,
-    2026-11-27).
-    """
-    return _pairwise_dots_forward(stacked)[0]
-
-
-def _pairwise_dots_forward(stacked: jax.Array):
-    n = stacked.shape[1]
-    gram = jnp.einsum("bid,bjd->bij", stacked, stacked)
-    upper, _ = _pair_indices(n)
-    return jnp.take(gram.reshape(-1, n * n), upper, axis=1), stacked
-
-
-def _pairwise_dots_backward(stacked: jax.Array, grads: jax.Array):
-    n = stacked.shape[1]
-    _, places = _pair_indices(n)
-    padded = jnp.concatenate([grads, jnp.zeros_like(grads[:, :1])], axis=1)
-    symmetric = jnp.take(padded, places, axis=1).reshape(-1, n, n)
-    return (jnp.einsum("bij,bjd->bid", symmetric, stacked),)
-
-
-_pairwise_dots.defvjp(_pairwise_dots_forward, _pairwise_dots_backward)
 
 
 def _dcn_v2(params: Params, bottom: jax.Array, activations: Mapping[str, jax.Array]) -> jax.Array:

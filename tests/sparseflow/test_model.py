@@ -63,27 +63,6 @@ def test_without_feature_projection_every_dim_must_be_the_interaction_dim():
         _model.init_params(jax.random.key(0), config, 5, {"a": 4, "b": 8})
 
 
-def test_pairwise_dots_and_their_gradient_match_float64():
-    # loss = sum_p c_p * (v_i . v_j) for pair p = (i, j): d loss / d v_i = sum_j c_(ij) v_j.
-    rng = np.random.default_rng(3)
-    n, batch, d = 5, 3, 4
-    vectors = [rng.normal(size=(batch, d)).astype(np.float32) for _ in range(n)]
-    pairs = list(itertools.combinations(range(n), 2))
-    weights = rng.normal(size=(batch, len(pairs))).astype(np.float32)
-    v64 = [v.astype(np.float64) for v in vectors]
-    want = np.stack([np.sum(v64[i] * v64[j], axis=1) for i, j in pairs], axis=1)
-    want_grads = [np.zeros((batch, d)) for _ in range(n)]
-    for p, (i, j) in enumerate(pairs):
-        want_grads[i] += weights[:, p : p + 1] * v64[j]
-        want_grads[j] += weights[:, p : p + 1] * v64[i]
-
-    got = np.asarray(_model.pairwise_dots(vectors))
-    grads = jax.grad(lambda vs: (_model.pairwise_dots(vs) * weights).sum())(vectors)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    for g, w in zip(grads, want_grads, strict=True):
-        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
-
-
 def test_training_reduces_loss():
     config = _model.ModelConfig(bottom_mlp=(16, 8), top_mlp=(16,), learning_rate=1e-2)
     dims = {"a": 8}
