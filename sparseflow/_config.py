@@ -17,16 +17,25 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import embedding
 import pipelines
-from sparseflow._config_checker import Node, build, get, integer, mapping, parse_yaml
+from sparseflow._config_checker import (
+    Node,
+    build,
+    get,
+    integer,
+    mapping,
+    naming_moved_keys,
+    parse_yaml,
+)
 from sparseflow._config_dataset import DatasetConfig, read_dataset
 from sparseflow._config_features import Feature, read_features
 from sparseflow._config_mesh import (
@@ -130,6 +139,30 @@ _OPTIONAL_KEYS = (
     "training",
 )
 
+# Keys of earlier formats at their former paths, with where each is now and
+# how to write it (`naming_moved_keys`): the loader names them all when it
+# meets one of them as an unknown key.
+_MOVED_KEYS = {
+    # The synthetic data left the features and the dataset for a section of
+    # its own, which a config of real records does not have.
+    "features[].valency": (
+        "synthetic.features.<name>.valency",
+        "write synthetic: {features: {<name>: {valency: [min, max]}}} for make-data and "
+        "the demo; a config with a record section drops it",
+    ),
+    "features[].zipf": (
+        "synthetic.features.<name>.zipf",
+        "beside its valency: synthetic: {features: {<name>: {valency: [min, max], zipf: 1.2}}}",
+    ),
+    "dataset.examples": (
+        "synthetic.examples",
+        "write synthetic: {examples: N, eval_examples: M, features: ...}, or drop it with a "
+        "record section; dataset keeps dir, and train and eval name real records",
+    ),
+    "dataset.eval_examples": ("synthetic.eval_examples", "held-out examples, beside examples"),
+    "dataset.shards": ("synthetic.shards", "files per split and format, beside examples"),
+}
+
 
 def load_config(
     path: str | os.PathLike,
@@ -159,9 +192,16 @@ def load_config(
     Raises:
       ConfigError: the file cannot be read, is not YAML, or an entry is
         missing, unknown, mistyped or inconsistent; the message names the
-        file and the entry.
+        file and the entry, or for keys of an earlier format, each of them
+        and where it moved.
     """
-    source, base, root = _top_level(path, relative_to)
+    with _top_level(path, relative_to) as (source, base, root):
+        return _run_config(source, base, root, devices)
+
+
+def _run_config(
+    source: str, base: Path, root: Node, devices: int | DeviceCount | None
+) -> RunConfig:
     raw = root.value
     mesh, device_count = read_mesh(root.child("mesh"), devices)
     batch = read_global_batch_size(root, mesh, device_count)
@@ -207,15 +247,21 @@ def load_config(
     )
 
 
+@contextlib.contextmanager
 def _top_level(
     path: str | os.PathLike, relative_to: str | os.PathLike | None
-) -> tuple[str, Path, Node]:
-    """`(file name, folder relative paths start from, the checked top-level node)`."""
+) -> Iterator[tuple[str, Path, Node]]:
+    """`(file name, folder relative paths start from, the checked top-level node)`.
+
+    An unknown key met in the block, at any depth, that has moved is
+    reported with every moved key the file holds (`_MOVED_KEYS`).
+    """
     source = os.fspath(path)
     base = Path(source).parent if relative_to is None else Path(relative_to)
     root = Node(parse_yaml(Path(path), source), source, "")
-    mapping(root, _REQUIRED_KEYS, _OPTIONAL_KEYS)
-    return source, base, root
+    with naming_moved_keys(root, _MOVED_KEYS):
+        mapping(root, _REQUIRED_KEYS, _OPTIONAL_KEYS)
+        yield source, base, root
 
 
 def _training(root: Node, base: Path) -> TrainingConfig:
@@ -243,11 +289,11 @@ def read_early_settings(
     The rest of the config (whose checks need a device count) is not read:
     `auto` is resolved only once XLA_FLAGS and `jax.distributed` are set up.
     """
-    _, base, root = _top_level(path, relative_to)
-    return EarlySettings(
-        devices=written_devices(root.child("mesh")),
-        training=_training(root, base),
-    )
+    with _top_level(path, relative_to) as (_, base, root):
+        return EarlySettings(
+            devices=written_devices(root.child("mesh")),
+            training=_training(root, base),
+        )
 
 
 def _layout(root: Node, features: Mapping[str, Feature]) -> pipelines.FeatureLayout:

@@ -4,16 +4,19 @@ Knows nothing of the run config's sections: it reads a YAML file (rejecting
 repeated keys) and checks values as a section asks, each error a
 `ConfigError` naming the file and the YAML path of the entry, e.g.
 `configs/x.yaml: features[3].table: unknown table 'foo'; known tables: a, b`,
-with a suggestion for a misspelled key.
+with a suggestion for a misspelled key, or where every key of an earlier
+format went (`naming_moved_keys`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,10 @@ class ConfigError(embedding.SparseflowError, ValueError):
         super().__init__(f"{where}: {message}")
         self.source = source
         self.yaml_path = yaml_path
+
+
+class _UnknownKeyError(ConfigError):
+    """A key that `mapping` does not know, which `naming_moved_keys` may find has moved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +98,66 @@ def mapping(
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise Node(None, node.source, node.child_path(str(key))).error(
-                f"unknown {what}; {hint}known {what}s: {', '.join(known)}"
+            raise _UnknownKeyError(
+                node.source,
+                node.child_path(str(key)),
+                f"unknown {what}; {hint}known {what}s: {', '.join(known)}",
             )
     for key in required:
         if key not in node.value:
             raise node.missing(key)
+
+
+@contextlib.contextmanager
+def naming_moved_keys(root: Node, moved: Mapping[str, tuple[str, str]]) -> Iterator[None]:
+    """Turns an unknown key in the block that has moved into one error naming every moved key.
+
+    `moved` maps a key's former path (`[]`: every entry of a list, as in
+    `features[].valency`) to `(its path now, how to write it)`; `<name>` in
+    the path now stands for the `name` of the list entry the key was in.
+    A file of an earlier format holds several such keys, which would
+    otherwise show up one per run as unknown keys. Any other unknown key
+    keeps its own error.
+    """
+    try:
+        yield
+    except _UnknownKeyError as unknown:
+        found = {
+            former: list(_nodes_at(root, re.findall(r"\[\]|[^.[\]]+", former), "<name>"))
+            for former in moved
+        }
+        if all(node.path != unknown.yaml_path for nodes in found.values() for node, _ in nodes):
+            raise
+        groups = []
+        for former, nodes in found.items():
+            now, hint = moved[former]
+            if nodes:
+                places = (
+                    f"{node.path} moved to {now.replace('<name>', name)}" for node, name in nodes
+                )
+                groups.append(f"{', '.join(places)} ({hint})")
+        raise root.error(f"keys of an earlier config format: {'; '.join(groups)}") from unknown
+
+
+def _nodes_at(node: Node, segments: list[str], name: str) -> Iterator[tuple[Node, str]]:
+    """The nodes at `segments` under `node`, each with the name of its list entry.
+
+    A part of the document that is not the mapping or list a segment needs
+    holds no such key; the section's own checks report what it is.
+    """
+    if not segments:
+        yield node, name
+        return
+    head, *rest = segments
+    if head == "[]":
+        if isinstance(node.value, list):
+            for i, entry in enumerate(node.value):
+                entry_name = entry.get("name") if isinstance(entry, dict) else None
+                yield from _nodes_at(
+                    node.child(i), rest, entry_name if isinstance(entry_name, str) else name
+                )
+    elif isinstance(node.value, dict) and head in node.value:
+        yield from _nodes_at(node.child(head), rest, name)
 
 
 def get(node: Node, key: str, kind: str, default: Any = None) -> Any:

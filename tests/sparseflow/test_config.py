@@ -475,6 +475,16 @@ ERROR_CASES = {
     "no features": (_set("features", []), "features: at least one feature is required"),
     "negative dense count": (_set("dense_features", -1), "dense_features: must be an integer >= 0"),
     "missing dataset key": (_delete("dataset.dir"), "dataset.dir: missing required key"),
+    # Keys that never were at these paths: the table of moved keys is not consulted.
+    "misspelled key beside moved ones": (
+        _set("synthetic.example", 10),
+        "synthetic.example: unknown key; did you mean 'examples'? known keys: examples, "
+        "eval_examples, features, shards",
+    ),
+    "moved key's name elsewhere": (
+        _set("tables.2.zipf", 1.2),
+        "tables[2].zipf: unknown key; known keys: name, vocabulary_size",
+    ),
 }
 
 
@@ -593,3 +603,91 @@ def test_feature_projection_off_needs_every_dim_to_be_the_interaction_dim(tmp_pa
         load_config(_write(tmp_path, raw))
     raw["tables"][2]["embedding_dim"] = 8
     assert load_config(_write(tmp_path, raw)).model.feature_projection is False
+
+
+_TABLES = """
+name: run
+seed: 3
+mesh: {devices: 8, partitions_per_device: 2}
+global_batch_size: 64
+tables:
+  - {name: a, vocabulary_size: 1000, embedding_dim: 8, combiner: mean,
+     optimizer: {type: sgd, learning_rate: 0.1}, initializer: {type: normal, stddev: 0.02},
+     max_ids_per_partition: 64, max_unique_ids_per_partition: 32}
+dense_features: 5
+"""
+_OLD_FORMAT = (
+    _TABLES
+    + """
+features:
+  - {name: fa, table: a, valency: [1, 4]}
+  - {name: fb, table: a, valency: [2, 3], zipf: 1.3}
+dataset:
+  dir: data
+  examples: 1000
+  eval_examples: 100
+  shards: 2
+"""
+)
+_CURRENT_FORMAT = (
+    _TABLES
+    + """
+features:
+  - {name: fa, table: a}
+  - {name: fb, table: a}
+dataset:
+  dir: data
+synthetic:
+  examples: 1000
+  eval_examples: 100
+  shards: 2
+  features:
+    fa: {valency: [1, 4]}
+    fb: {valency: [2, 3], zipf: 1.3}
+"""
+)
+
+
+def test_a_config_of_the_earlier_format_names_every_moved_key_in_one_error(tmp_path):
+    path = _write(tmp_path, _OLD_FORMAT)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: keys of an earlier config format: ")
+    for old, now in {
+        "features[0].valency": "synthetic.features.fa.valency",
+        "features[1].valency": "synthetic.features.fb.valency",
+        "features[1].zipf": "synthetic.features.fb.zipf",
+        "dataset.examples": "synthetic.examples",
+        "dataset.eval_examples": "synthetic.eval_examples",
+        "dataset.shards": "synthetic.shards",
+    }.items():
+        assert f"{old} moved to {now}" in message
+
+
+def test_the_same_config_in_the_current_format_loads(tmp_path):
+    config = load_config(_write(tmp_path, _CURRENT_FORMAT))
+    assert (config.synthetic.examples, config.synthetic.eval_examples) == (1000, 100)
+    assert config.synthetic.shards == 2
+    assert [
+        (f.min_valency, f.max_valency, f.zipf_exponent) for f in config.synthetic.dataset.features
+    ] == [(1, 4, 1.1), (2, 3, 1.3)]
+
+
+def test_a_moved_key_left_behind_is_named_where_the_loader_meets_it(tmp_path):
+    path = _write(tmp_path, _CURRENT_FORMAT.replace("  dir: data\n", "  dir: data\n  shards: 2\n"))
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"{path}: keys of an earlier config format: dataset.shards moved to synthetic.shards ("
+        ),
+    ):
+        load_config(path)
+
+
+def test_an_unknown_key_met_before_the_moved_ones_keeps_its_error(tmp_path):
+    path = _write(tmp_path, _OLD_FORMAT + "sed: 1\n")
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{path}: sed: unknown key; did you mean 'seed'?")
+    ):
+        load_config(path)

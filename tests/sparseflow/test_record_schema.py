@@ -244,7 +244,7 @@ DATA_ERRORS = {
     ),
     "example count in the dataset section": (
         _mutated(**{"dataset/examples": 100}),
-        "dataset.examples: unknown key; known keys: dir, train, eval",
+        "keys of an earlier config format: dataset.examples moved to synthetic.examples",
     ),
     "empty train list": (
         _mutated(**{"dataset/train": []}),
