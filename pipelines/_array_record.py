@@ -1,7 +1,9 @@
 """Random access to a dataset of ArrayRecord files, a batch of records per call.
 
 A batch of dataset record indices is mapped to (file, position) with one
-numpy search, and each file's records are read in one call. Grain's
+numpy search, and each file's records are read in one call, straight to
+their places in the batch's one buffer (a `RecordBatch`, which the parser
+reads in place). Grain's
 `ArrayRecordDataSource` maps every index in Python and starts a thread pool
 per call, which at a few hundred records per batch costs more than the reads.
 
@@ -28,6 +30,7 @@ from array_record.python import array_record_module
 
 from pipelines import _riegeli
 from pipelines._batching import RecordFiles
+from pipelines._record_batch import RecordBatch
 from pipelines._records import RecordFormat, require_record_format
 
 # Random reads: a read-ahead buffer would only fetch records nobody asked for.
@@ -67,7 +70,7 @@ class ArrayRecordReader:
         """Per file, whether the compiled reader reads it (else the official one)."""
         return tuple(isinstance(source, _MappedFile) for source in self._open_sources())
 
-    def read(self, record_indices: Sequence[int] | np.ndarray) -> list[bytes]:
+    def read(self, record_indices: Sequence[int] | np.ndarray) -> RecordBatch:
         """The records at `record_indices` (`int[k]`), in that order.
 
         Raises:
@@ -84,21 +87,37 @@ class ArrayRecordReader:
         file_of = np.searchsorted(self._ends, indices, side="right")
         positions = indices - self._starts[file_of]
         sources = self._open_sources()
-        records: list = [None] * indices.size
-        for f in np.unique(file_of).tolist():
-            rows = np.flatnonzero(file_of == f)
-            for row, record in zip(
-                rows.tolist(), self._read_file(sources, f, positions[rows]), strict=True
-            ):
-                records[row] = record
-        return records
+        # Each file's rows, and the records of the files the official reader reads.
+        files = [(f, np.flatnonzero(file_of == f)) for f in np.unique(file_of).tolist()]
+        official = {}
+        sizes = np.empty(indices.size, np.int64)
+        for f, rows in files:
+            if isinstance(sources[f], _MappedFile):
+                sizes[rows] = sources[f].sizes(positions[rows])
+            else:
+                official[f] = sources[f].read(positions[rows])
+                sizes[rows] = [len(record) for record in official[f]]
+        offsets = np.zeros(indices.size + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        data = np.empty(offsets[-1], np.uint8)
+        for f, rows in files:
+            records = official.get(f)
+            if records is None:
+                records = self._read_into(sources, f, positions[rows], data, offsets[rows])
+            if records is not None:
+                for row, record in zip(rows.tolist(), records, strict=True):
+                    data[offsets[row] : offsets[row + 1]] = np.frombuffer(record, np.uint8)
+        return RecordBatch(data, offsets)
 
-    def _read_file(self, sources: list, f: int, positions: np.ndarray) -> list[bytes]:
+    def _read_into(self, sources, f: int, positions, data, starts) -> list[bytes] | None:
+        """Reads file `f`'s records into `data` at `starts`; or, where the
+        compiled reader meets a chunk it does not decode (the first one it
+        checked at opening did), hands the file to the official reader and
+        returns its records."""
         try:
-            return sources[f].read(positions)
+            sources[f].read_into(positions, data, starts)
+            return None
         except _Unsupported:
-            # A chunk the compiled reader does not decode (the first one it
-            # checked at opening did): the official reader takes the file over.
             with self._lock:
                 sources[f] = _OfficialFile(self._paths[f])
             return sources[f].read(positions)
@@ -199,7 +218,8 @@ class _MappedFile:
         self._checked = np.zeros(num_records, np.uint8)
         self.num_records = num_records
         if num_records:
-            self.read(np.zeros(1, np.int64))
+            first = np.zeros(1, np.int64)
+            self.read_into(first, np.empty(int(self.sizes(first)[0]), np.uint8), first)
 
     def _chunk_index(self) -> np.ndarray:
         """`int64[chunks, 3]`: each chunk's position, decoded size and record count."""
@@ -226,7 +246,17 @@ class _MappedFile:
             raise _Unsupported
         return data, ends
 
-    def read(self, positions: np.ndarray) -> list[bytes]:
+    def sizes(self, positions: np.ndarray) -> np.ndarray:
+        """`int64[k]` the sizes of the records at `positions`, by the file's index."""
+        return self._record_sizes[positions]
+
+    def read_into(self, positions: np.ndarray, out: np.ndarray, starts: np.ndarray) -> None:
+        """Writes the record at `positions[i]` to `out[starts[i]:]` (`sizes` long).
+
+        Raises:
+          _Unsupported: a chunk of another layout.
+          ValueError: the file changed size, or a checksum or length does not match.
+        """
         size = os.stat(self._path).st_size
         if size != self._file.size:
             # Reading a mapped page past a shortened file's end kills the
@@ -236,11 +266,14 @@ class _MappedFile:
                 f"{self._path} changed size since it was opened ({self._file.size} bytes, "
                 f"now {size}); record files must not change while read."
             )
-        sizes = self._record_sizes[positions]
-        out = np.empty(int(sizes.sum()), np.uint8)
-        ends = np.empty(positions.size, np.int64)
         status, failed = _riegeli.read_single_records(
-            self._file, self._chunk_positions[positions], sizes, out, ends, positions, self._checked
+            self._file,
+            self._chunk_positions[positions],
+            self._record_sizes[positions],
+            out,
+            np.ascontiguousarray(starts, np.int64),
+            positions,
+            self._checked,
         )
         if status == _riegeli.UNSUPPORTED:
             raise _Unsupported
@@ -248,6 +281,3 @@ class _MappedFile:
             raise _read_error(
                 self._path, int(positions[failed]), "a checksum or length does not match"
             )
-        blob = out.tobytes()
-        starts = np.concatenate(([0], ends[:-1])).tolist()
-        return [blob[a:b] for a, b in zip(starts, ends.tolist(), strict=True)]

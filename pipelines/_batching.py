@@ -233,5 +233,5 @@ class RecordReader(Protocol):
     def files(self) -> RecordFiles:
         """The files read, with their record counts."""
 
-    def read(self, record_indices: Sequence[int]) -> list[bytes]:
-        """The records at `record_indices`, in that order."""
+    def read(self, record_indices: Sequence[int]) -> Sequence[bytes]:
+        """The records at `record_indices`, in that order (a list, or a `RecordBatch`)."""

@@ -25,10 +25,13 @@ The wire format read (protobuf field numbers):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numba
 import numpy as np
 
 from pipelines._fingerprint import bucket, bucket_reciprocal, fingerprint64
+from pipelines._record_batch import RecordBatch
 
 BYTES_LIST = 1
 INT64_LIST = 3
@@ -75,16 +78,14 @@ class WireSchema:
         )
 
 
-def read_examples(records: list[bytes], schema: WireSchema) -> dict | None:
+def read_examples(records: Sequence[bytes], schema: WireSchema) -> dict | None:
     """`{key: (values, row_splits)}` for every schema key, or None when unsure.
 
     Values are `int64[nnz]` (int64 lists, hashed bytes lists) or `float32[nnz]`,
-    row splits `int64[batch + 1]`.
+    row splits `int64[batch + 1]`. A `RecordBatch` is read in place.
     """
-    lengths = np.fromiter(map(len, records), np.int64, count=len(records))
-    offsets = np.zeros(len(records) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    data = np.frombuffer(b"".join(records), np.uint8)
+    batch = RecordBatch.of(records)
+    data, offsets = batch.data, batch.offsets
     num_keys = schema.kinds.size
     spans = np.zeros((len(records), num_keys, 2), np.int64)
     splits = np.zeros((num_keys, len(records) + 1), np.int64)  # counts, then their sums

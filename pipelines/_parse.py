@@ -40,6 +40,7 @@ from pipelines._example_wire import (
     WireSchema,
     read_examples,
 )
+from pipelines._record_batch import RecordBatch
 from pipelines._records import tf_error_reason
 from pipelines._schema import (
     DENSE_KEY,
@@ -258,7 +259,11 @@ def _float_feature(values: list[float]) -> tf.train.Feature:
     return tf.train.Feature(float_list=tf.train.FloatList(value=values))
 
 
-def _as_record_list(records: Sequence[bytes]) -> list[bytes]:
+def _as_record_list(records: Sequence[bytes]) -> Sequence[bytes]:
+    """`records` as a list of bytes, checked; a `RecordBatch` as it is (its
+    records are bytes)."""
+    if isinstance(records, RecordBatch):
+        return records
     if isinstance(records, np.ndarray) and records.dtype.kind == "S":
         raise TypeError(
             f"The records arrived as a fixed-width bytes array (dtype {records.dtype}), "
@@ -352,7 +357,9 @@ def _tf_parse(records: list[bytes], layout: FeatureLayout) -> dict[str, tuple]:
       _BatchRejected: TF rejects the batch.
     """
     try:
-        tensors = _tf_parser(layout)(tf.constant(records, dtype=tf.string))
+        # A list: converted as a sequence, a `RecordBatch` would become
+        # fixed-width bytes, which drop trailing zero bytes.
+        tensors = _tf_parser(layout)(tf.constant(list(records), dtype=tf.string))
     # TF formats its message with the record's bytes, which need not be UTF-8.
     except (tf.errors.InvalidArgumentError, UnicodeDecodeError) as error:
         raise _BatchRejected("rejected by tf.io.parse_example") from error

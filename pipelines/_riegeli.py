@@ -166,8 +166,8 @@ def _inside_one_block(file, position):
 
 
 @numba.njit(cache=True, nogil=True)
-def _copy_single_record(data, start, stop, chunk, size, out, written):
-    """Copies the one record of the checked chunk `data[start:stop]` to `out[written:]`.
+def _copy_single_record(data, start, stop, chunk, size, out, at):
+    """Copies the one record of the checked chunk `data[start:stop]` to `out[at:]`.
 
     `chunk` is `_checked_chunk`'s result; `size` the record's size by the file's index.
     """
@@ -181,13 +181,13 @@ def _copy_single_record(data, start, stop, chunk, size, out, written):
         return status
     if decoded_size != size:
         return CORRUPT
-    out[written : written + size] = data[ends[0] : ends[1]]
+    out[at : at + size] = data[ends[0] : ends[1]]
     return OK
 
 
 @numba.njit(cache=True, nogil=True)
-def read_single_records(file, chunk_positions, sizes, out, ends, records, checked):
-    """Reads one-record chunks into one buffer.
+def read_single_records(file, chunk_positions, sizes, out, starts, records, checked):
+    """Reads one-record chunks into a buffer, each record at its place.
 
     A chunk inside one block (the usual case) is checked and read in place;
     one that crosses a block header is gathered first (`read_chunk`). A
@@ -200,8 +200,8 @@ def read_single_records(file, chunk_positions, sizes, out, ends, records, checke
       file: `uint8[file_size]`.
       chunk_positions: `int64[k]` where each chunk begins.
       sizes: `int64[k]` each record's expected size (from the file's index).
-      out: `uint8[sizes.sum()]`, receives the records back to back.
-      ends: `int64[k]`, receives where each record ends in `out`.
+      out: `uint8[n]`, receives record i at `out[starts[i]:starts[i] + sizes[i]]`.
+      starts: `int64[k]`.
       records: `int64[k]` each chunk's record index in the file.
       checked: `uint8[records in the file]`, 1 where a record's chunk was
         checked by an earlier read; set here for the chunks checked now.
@@ -209,7 +209,6 @@ def read_single_records(file, chunk_positions, sizes, out, ends, records, checke
     Returns:
       `(status, index of the failing chunk or -1)`.
     """
-    written = 0
     for i in range(chunk_positions.size):
         position = chunk_positions[i]
         if _inside_one_block(file, position):
@@ -219,17 +218,15 @@ def read_single_records(file, chunk_positions, sizes, out, ends, records, checke
                 chunk = _chunk_fields(file, position)
             else:
                 chunk = _checked_chunk(file, position, file, start)
-            status = _copy_single_record(file, start, stop, chunk, sizes[i], out, written)
+            status = _copy_single_record(file, start, stop, chunk, sizes[i], out, starts[i])
             if status == OK:
                 checked[records[i]] = 1
         else:
             status, data, chunk_type, num_records, decoded_size = read_chunk(file, position)
             chunk = (status, chunk_type, num_records, decoded_size)
-            status = _copy_single_record(data, 0, data.size, chunk, sizes[i], out, written)
+            status = _copy_single_record(data, 0, data.size, chunk, sizes[i], out, starts[i])
         if status != OK:
             return status, i
-        written += sizes[i]
-        ends[i] = written
     return OK, -1
 
 

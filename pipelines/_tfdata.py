@@ -154,7 +154,7 @@ class _TFDataSource:
     def _host_rows(self, batch_number: tf.Tensor) -> tf.Tensor:
         """`string[host_batch]` this host's records of a global batch (in its shuffled order)."""
         rows = tf.py_function(
-            lambda b: tf.constant(self._reader.read(self._plan.record_indices(int(b))), tf.string),
+            lambda b: tf.constant(list(self._reader.read(self._plan.record_indices(int(b))))),
             [batch_number],
             tf.string,
         )

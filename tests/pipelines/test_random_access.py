@@ -79,16 +79,16 @@ def files(tmp_path_factory):
 def test_reader_returns_the_records_in_the_order_asked(files, indices):
     paths, records = files
     reader = ArrayRecordReader(paths)
-    assert reader.read(np.asarray(indices, np.int64)) == [records[i] for i in indices]
+    assert list(reader.read(np.asarray(indices, np.int64))) == [records[i] for i in indices]
     source = grain.sources.ArrayRecordDataSource(paths)
-    assert reader.read(indices) == [source[i] for i in indices]
+    assert list(reader.read(indices)) == [source[i] for i in indices]
     assert reader.files.counts == (5, 1, 7)
 
 
 def test_reader_survives_pickling(files):
     paths, records = files
     copy = pickle.loads(pickle.dumps(ArrayRecordReader(paths)))
-    assert copy.read([7, 5, 0]) == [records[7], records[5], records[0]]
+    assert list(copy.read([7, 5, 0])) == [records[7], records[5], records[0]]
 
 
 @pytest.mark.parametrize("index", [-1, 13])
