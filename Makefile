@@ -8,7 +8,9 @@ STAMP := $(VENV)/.installed
 # note is filtered: other warnings and every error still show.
 QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 # The lookup's CPU kernels (embedding/_cpu_kernels.cc), built with the
-# machine's g++ against the installed jaxlib's FFI headers.
+# machine's g++ against the installed jaxlib's FFI headers. Without a C++
+# compiler a note says so and make goes on: the pure-JAX path runs (a
+# compiler installed later builds the kernels at their first use).
 KERNELS := $(VENV)/.kernels
 TORCHREC_VENV := .venv-torchrec
 TORCHREC_STAMP := $(TORCHREC_VENV)/.installed
@@ -22,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(KERNELS): $(STAMP) embedding/_cpu_kernels.cc
-	$(PY) -c "from embedding import _cpu_kernels; print(_cpu_kernels.build())"
+	$(PY) -c "from embedding import _cpu_kernels; _cpu_kernels.prebuild()"
 	touch $(KERNELS)
 
 demo: $(KERNELS)

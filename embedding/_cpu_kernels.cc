@@ -23,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#ifdef __linux__
 #include <sys/mman.h>
+#endif
 
 #ifdef __AVX__
 #include <immintrin.h>
@@ -51,10 +53,12 @@ constexpr int64_t kCachedSumsBytes = 512 << 10;
 constexpr int64_t kWindowRows = 4096;
 
 // Work is cut into chunks by its size alone, whatever the thread count,
-// each chunk computed in a fixed order, so that results are bitwise the same
-// on every machine and in every run. Smaller work stays on one thread: it
-// takes less than handing it over, and where devices share the cores (XLA
-// runs every device's program at once) a helper may wait for a core.
+// each chunk computed in a fixed order, so that one build's results are
+// bitwise the same on any thread count and in every run (between machines
+// they may differ: _cpu_kernels.py states the contract). Smaller work stays
+// on one thread: it takes less than handing it over, and where devices share
+// the cores (XLA runs every device's program at once) a helper may wait for
+// a core.
 constexpr int64_t kMaxChunks = 16;
 constexpr int64_t kMinChunkItems = 8192;
 
@@ -767,8 +771,12 @@ void MergeAndApply(const Pieces<const int32_t>& received, const Pieces<const flo
   ApplyToRows(rows.get(), sums.get(), merged, update);
 }
 
+// MADV_HUGEPAGE is Linux's (<sys/mman.h>); elsewhere the buffers keep the
+// pages they have.
+#ifdef MADV_HUGEPAGE
 #ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
+#define MADV_COLLAPSE 25  // Linux 6.1's; older headers lack the name
+#endif
 #endif
 
 // Tables and slots are read and written at random rows. On 4 KiB pages
@@ -787,6 +795,7 @@ void MergeAndApply(const Pieces<const int32_t>& received, const Pieces<const flo
 // kernel refuses it, nothing changes but the speed. SPARSEFLOW_HUGE_PAGES=0
 // in the environment turns it off.
 void AdviseHugePages(void* data, size_t bytes, bool collapse) {
+#ifdef MADV_HUGEPAGE
   static const bool enabled = [] {
     const char* setting = std::getenv("SPARSEFLOW_HUGE_PAGES");
     return setting == nullptr || std::string(setting) != "0";
@@ -812,6 +821,7 @@ void AdviseHugePages(void* data, size_t bytes, bool collapse) {
   // faulted later on 4 KiB pages, and the next collapse gathers them.
   if (!known) madvise(start, end - begin, MADV_HUGEPAGE);
   if (collapse) madvise(start, end - begin, MADV_COLLAPSE);
+#endif
 }
 
 // The outputs alias the inputs (the variables are donated); copy only where
@@ -1031,8 +1041,10 @@ ffi::ErrorOr<int64_t> InteractionChunks(const ffi::Buffer<ffi::F32>& x) {
   if (x.dimensions().size() != 3) {
     return ffi::Unexpected(ffi::Error::InvalidArgument("the vectors must be [batch, n, d]"));
   }
+  // At least 64 blocks (1024 samples) a chunk: each device's share of a
+  // batch on a mesh of several CPU devices stays on one thread.
   const int64_t blocks = (x.dimensions()[0] + kLanes - 1) / kLanes;
-  return std::max<int64_t>(1, std::min(kMaxChunks, blocks / 4));
+  return std::max<int64_t>(1, std::min(kMaxChunks, blocks / 64));
 }
 
 ffi::Error PairwiseDots(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,

@@ -1,9 +1,17 @@
 """The CPU kernels: building them, and their work split into chunks."""
 
+import functools
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -14,14 +22,45 @@ from embedding._optimizers import RowWiseAdagradSlots, SGDSlots
 from embedding._stack_geometry import StackGeometry
 
 
-def test_a_failed_build_names_the_compiler_output(tmp_path, monkeypatch):
-    source = tmp_path / "_cpu_kernels.cc"
-    source.write_text("this is not C++\n")
-    monkeypatch.setattr(_cpu_kernels, "_SOURCE", source)
+def _package(tmp_path: Path, monkeypatch, source: str) -> Path:
+    """A package folder whose kernels' source is `source` (small, so that a
+    build takes a moment), as `build` sees it, beside an empty cache folder."""
+    package = tmp_path / "embedding"
+    package.mkdir(exist_ok=True)
+    (package / "_cpu_kernels.cc").write_text(source)
+    monkeypatch.setattr(_cpu_kernels, "_SOURCE", package / "_cpu_kernels.cc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    return package
+
+
+def _source(version: int) -> str:
+    return f'extern "C" int SparseflowSourceVersion() {{ return {version}; }}\n'
+
+
+@pytest.fixture
+def fresh_registration(monkeypatch):
+    """`enabled` as in a process that has not built or loaded the kernels yet."""
+    monkeypatch.setattr(
+        _cpu_kernels, "_registered", functools.cache(_cpu_kernels._registered.__wrapped__)
+    )
+
+
+def test_a_failed_build_names_the_compiler_output_and_logs_one_line(
+    tmp_path, monkeypatch, caplog, compiler, fresh_registration
+):
+    _package(tmp_path, monkeypatch, "this is not C++\n")
     monkeypatch.setattr(_cpu_kernels, "_build_folders", lambda: [tmp_path / "out"])
-    with pytest.raises(RuntimeError, match="(?s)building the CPU kernels failed:.*error: expected"):
+    with pytest.raises(
+        RuntimeError, match="(?s)building the CPU kernels failed: .*error: expected"
+    ):
         _cpu_kernels.build()
     assert not list((tmp_path / "out").glob("*.so"))
+    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
+    with caplog.at_level(logging.WARNING, logger=_cpu_kernels.__name__):
+        assert not _cpu_kernels.enabled("cpu")
+    [record] = caplog.records
+    assert "\n" not in record.getMessage()
+    assert re.search("building the CPU kernels failed: .*error: expected", record.getMessage())
 
 
 def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
@@ -29,17 +68,113 @@ def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler .*no-such-compiler"):
         _cpu_kernels.build()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler \\(install g\\+\\+"):
+        _cpu_kernels.build()
 
 
-def test_a_rebuild_replaces_only_its_own_older_libraries(tmp_path, monkeypatch):
-    monkeypatch.setattr(_cpu_kernels, "_build_folders", lambda: [tmp_path])
-    older = tmp_path / "_cpu_kernels-0000000000000000.so"
-    older.write_bytes(b"an earlier build")
-    unrelated = tmp_path / "other.so"
-    unrelated.write_bytes(b"not ours")
-    built = _cpu_kernels.build()
-    assert built.parent == tmp_path and built.exists()
-    assert not older.exists() and unrelated.exists()
+def test_without_a_compiler_the_pure_jax_path_runs_after_one_warning_line(
+    tmp_path, monkeypatch, caplog, fresh_registration
+):
+    """No g++ or c++ on the PATH, no $CXX and an empty build folder: the
+    kernels are off, the interaction runs in XLA, and the warning, one line
+    saying what to install, comes once."""
+    monkeypatch.setattr(_cpu_kernels, "_build_folders", lambda: [tmp_path / "empty"])
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
+    vectors = [np.full((2, 4), k, np.float32) for k in (1, 2, 3)]
+    with caplog.at_level(logging.WARNING, logger=_cpu_kernels.__name__):
+        assert not _cpu_kernels.enabled("cpu")
+        forward = jax.jit(lambda vs: embedding.pairwise_dots(vs))
+        assert "sparseflow_pairwise_dots" not in forward.lower(vectors).as_text()
+        np.testing.assert_array_equal(forward(vectors), np.tile([8.0, 12.0, 24.0], (2, 1)))
+        assert not _cpu_kernels.enabled("cpu")
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "\n" not in record.getMessage()
+    assert "install g++" in record.getMessage() and "pure-JAX" in record.getMessage()
+
+
+def test_make_notes_a_missing_compiler_and_goes_on(tmp_path, monkeypatch, capsys):
+    _package(tmp_path, monkeypatch, _source(1))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    _cpu_kernels.prebuild()
+    assert "note: the CPU kernels are not built" in capsys.readouterr().out
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_machine_key_is_stable_and_follows_jaxlib(tmp_path, monkeypatch, compiler):
+    """One key wherever the process runs from (else every run would rebuild);
+    another for another jaxlib (the FFI headers the library is built against)."""
+    key = _cpu_kernels._machine_key(compiler)
+    monkeypatch.chdir(tmp_path)
+    assert _cpu_kernels._machine_key(compiler) == key
+    monkeypatch.setattr(jaxlib, "__version__", jaxlib.__version__ + ".other")
+    assert _cpu_kernels._machine_key(compiler) != key
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="builds for a baseline x86-64"
+)
+def test_a_library_for_another_cpu_is_neither_loaded_nor_deleted(tmp_path, monkeypatch, compiler):
+    """A package folder shared with a machine whose CPU is a baseline x86-64:
+    each machine builds and loads its own library, and neither's build
+    deletes the other's."""
+    package = _package(tmp_path, monkeypatch, _source(1))
+    ours = _cpu_kernels.build()
+    assert ours.parent == package
+    made = ours.stat().st_ino
+    # The same compiler where -march=native means the x86-64 baseline.
+    baseline = tmp_path / "baseline-c++"
+    baseline.write_text(
+        "#!/bin/sh\n"
+        'for a; do shift; [ "$a" = -march=native ] && a=-march=x86-64; set -- "$@" "$a"; done\n'
+        f'exec "{compiler}" "$@"\n'
+    )
+    baseline.chmod(0o755)
+    monkeypatch.setenv("CXX", str(baseline))
+    theirs = _cpu_kernels.build()
+    assert theirs != ours and theirs.parent == package
+    assert ours.exists()
+    monkeypatch.setenv("CXX", compiler)
+    assert _cpu_kernels.build() == ours
+    assert ours.stat().st_ino == made  # found, not built again (a build renames a new file)
+    assert theirs.exists()
+
+
+def test_a_build_deletes_only_its_own_machines_libraries_of_another_source(
+    tmp_path, monkeypatch, compiler
+):
+    """Beside the source, a new source's build deletes the library of the
+    source before it on this machine, and no other machine's, nor a library
+    whose machine it cannot tell; in the cache folder, which installs of
+    other versions may share, it deletes nothing."""
+    package = _package(tmp_path, monkeypatch, _source(1))
+    first = _cpu_kernels.build()
+    source_key = first.name.removesuffix(".so").rsplit("-", 1)[1]
+    kept = [
+        package / f"_cpu_kernels-{'0' * 16}-{source_key}.so",  # another machine's
+        package / "_cpu_kernels-0123456789abcdef.so",  # whose machine is not in its name
+        package / "other.so",
+    ]
+    for path in kept:
+        path.write_bytes(b"not this machine's library")
+    _package(tmp_path, monkeypatch, _source(2))
+    second = _cpu_kernels.build()
+    assert second.parent == package and second.exists()
+    assert not first.exists()
+    assert all(path.exists() for path in kept)
+
+    cache = tmp_path / "home-cache" / "sparseflow"
+    monkeypatch.setattr(_cpu_kernels, "_build_folders", lambda: [cache])
+    in_cache = []
+    for version in (1, 2):
+        _package(tmp_path, monkeypatch, _source(version))
+        in_cache.append(_cpu_kernels.build())
+    assert in_cache[0] != in_cache[1] and all(path.parent == cache for path in in_cache)
+    assert all(path.exists() for path in in_cache)
 
 
 def _large_case(optimizer, devices):
@@ -71,18 +206,10 @@ def _large_case(optimizer, devices):
     return specs, rows, preprocessed
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        embedding.SGDOptimizerSpec(learning_rate=0.1),
-        embedding.RowWiseAdagradOptimizerSpec(learning_rate=0.1, initial_accumulator_value=0.5),
-    ],
-)
-def test_chunked_kernels_match_float64(optimizer, devices, monkeypatch):
-    """A step of `0.5 * sum(activations^2)` on a batch large enough for the
-    kernels to split the pooling, its transpose, the gather and the update."""
-    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
+def _large_step(optimizer, devices):
+    """A step of `0.5 * sum(activations^2)` on `_large_case` over `devices`:
+    `(specs, rows, mesh, the table before in float64, the activations, the
+    variables after)`."""
     specs, rows, preprocessed = _large_case(optimizer, devices)
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
     variables = embedding.init_embedding_variables(
@@ -99,7 +226,22 @@ def test_chunked_kernels_match_float64(optimizer, devices, monkeypatch):
             activations, preprocessed, variables, specs, mesh, 0
         )
 
-    activations, variables = step(variables)
+    return specs, rows, mesh, w, *step(variables)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        embedding.SGDOptimizerSpec(learning_rate=0.1),
+        embedding.RowWiseAdagradOptimizerSpec(learning_rate=0.1, initial_accumulator_value=0.5),
+    ],
+)
+def test_chunked_kernels_match_float64(optimizer, devices):
+    """A step on a batch large enough for the kernels to split the pooling,
+    its transpose, the gather and the update."""
+    specs, rows, mesh, w, activations, variables = _large_step(optimizer, devices)
     expected = np.stack([w[r].sum(axis=0) for r in rows])
     np.testing.assert_allclose(np.asarray(activations["f"]), expected, rtol=1e-5, atol=1e-4)
     grads = np.zeros_like(w)
@@ -120,6 +262,61 @@ def test_chunked_kernels_match_float64(optimizer, devices, monkeypatch):
     got = embedding.gather_tables({"t": variables["t"].table}, specs, mesh, num_sc_per_device=1)
     np.testing.assert_allclose(got["t"][touched], new_w[touched], rtol=2e-5, atol=2e-4)
     np.testing.assert_array_equal(got["t"][~touched], w[~touched].astype(np.float32))
+
+
+def _chunked_outputs() -> dict[str, np.ndarray]:
+    """Every kernel's results on work cut into chunks: a row-wise Adagrad
+    step of `_large_case` on one device, and the interaction of 8192 samples
+    of 27 x 16 and its transpose."""
+    assert _cpu_kernels.enabled("cpu")
+    optimizer = embedding.RowWiseAdagradOptimizerSpec(
+        learning_rate=0.1, initial_accumulator_value=0.5
+    )
+    specs, _, mesh, _, activations, variables = _large_step(optimizer, 1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8192, 27, 16)).astype(np.float32)
+    grads = rng.normal(size=(8192, 27 * 26 // 2)).astype(np.float32)
+    tables = {"table": variables["t"].table, "accumulator": variables["t"].slots.accumulator}
+    return {
+        "activations": np.asarray(activations["f"]),
+        **{
+            name: embedding.gather_tables({"t": value}, specs, mesh, num_sc_per_device=1)["t"]
+            for name, value in tables.items()
+        },
+        "dots": np.asarray(jax.jit(_cpu_kernels.pairwise_dots)(x)),
+        "dots_transpose": np.asarray(jax.jit(_cpu_kernels.pairwise_dots_transpose)(x, grads)),
+    }
+
+
+# XLA's CPU client gives the kernels a thread per device or per CPU, whichever
+# are more: this Python, on one device and (where it can be pinned) one CPU,
+# gives them one.
+_ON_ONE_THREAD = """
+import os, sys
+if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import test_cpu_kernels
+np.savez(sys.argv[2], **test_cpu_kernels._chunked_outputs())
+"""
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_results_are_bitwise_the_same_on_one_thread_and_on_several(tmp_path):
+    """The floating-point contract of one library (`_cpu_kernels`): work is
+    cut by its size alone, so the kernels on one thread give the very bits
+    they give on this process's eight or more (a thread per device)."""
+    assert len(jax.devices()) == 8
+    subprocess.run(
+        [sys.executable, "-c", _ON_ONE_THREAD, str(Path(__file__).parent), tmp_path / "one.npz"],
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        check=True,
+        timeout=600,
+    )
+    on_one = np.load(tmp_path / "one.npz")
+    for name, got in _chunked_outputs().items():
+        np.testing.assert_array_equal(got.view(np.uint32), on_one[name].view(np.uint32), name)
 
 
 def _owner_geometry(optimizer, devices, rows, dim, uniques):
@@ -144,15 +341,14 @@ def _owner_geometry(optimizer, devices, rows, dim, uniques):
 @pytest.mark.parametrize("dim", [4, 16])
 @pytest.mark.parametrize("runs", [1, 3, 5, 8, 17, 40])
 @pytest.mark.parametrize("rows, uniques", [(50, 12), (9000, 400)])
-def test_update_merges_runs_in_run_order(rows, uniques, runs, dim, optimizer, monkeypatch):
+@pytest.mark.usefixtures("cpu_kernels")
+def test_update_merges_runs_in_run_order(rows, uniques, runs, dim, optimizer):
     """The owner's merge of several ascending runs (some empty, rows repeated
     across runs; in a shard of 9000 rows, over several of the merge's windows
     of 4096 rows, with the rows on both sides of each window's edge) sums
     each row's gradients once, against float64, for a width known at compile
     time (16) and one not (4), and leaves untouched rows and slots bit for
     bit."""
-    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
-    assert _cpu_kernels.enabled("cpu")  # builds and registers them
     lr, initial, eps = np.float32(0.25), 0.1, 1e-8
     edges = [r for r in (4095, 4096, 8191, 8192) if r < rows]
     rng = np.random.default_rng(runs)
@@ -206,15 +402,14 @@ def test_update_merges_runs_in_run_order(rows, uniques, runs, dim, optimizer, mo
 
 @pytest.mark.parametrize("dim", [8, 12])
 @pytest.mark.parametrize("entries", [40, 40_000])
-def test_pool_and_its_transpose_against_float64(entries, dim, monkeypatch):
+@pytest.mark.usefixtures("cpu_kernels")
+def test_pool_and_its_transpose_against_float64(entries, dim):
     """Pooling by sample and its transpose by row (the rows, and the row
     gradients, in one piece per device, as an all-to-all takes and leaves
     them), on entries with holes
     (-1 rows, also between two entries of one row; padded samples), rows no
     entry names (their gradient is exactly zero), at 40k entries per slot work
     cut into chunks, and rows of a width known at compile time (8) or not (12)."""
-    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
-    assert _cpu_kernels.enabled("cpu")
     slots, devices, num_samples = 2, 2, 300
     num_rows = entries // 2  # slots * devices * uniques
     rng = np.random.default_rng(entries)
@@ -279,13 +474,12 @@ def _thp_mode() -> str:
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+@pytest.mark.usefixtures("cpu_kernels")
 def test_a_table_made_again_at_a_freed_address_gets_huge_pages(monkeypatch):
     """The update asks for huge pages on the table it updates in place; a
     table made after an earlier one was freed, at the same address (as a
     restore or a second model in one process makes it), gets them too."""
-    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1")
     monkeypatch.delenv("SPARSEFLOW_HUGE_PAGES", raising=False)
-    assert _cpu_kernels.enabled("cpu")
     rows, dim, uniques = 1 << 19, 16, 8  # a 32 MiB table
     g = _owner_geometry(embedding.SGDOptimizerSpec(learning_rate=0.5), 1, rows, dim, uniques)
     received = jnp.arange(uniques, dtype=jnp.int32).reshape(1, 1, uniques)

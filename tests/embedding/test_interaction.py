@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
-from embedding import _cpu_kernels, _interaction
+from embedding import _interaction
 
 
 def _float64_reference(vectors: list[np.ndarray], weights: np.ndarray):
@@ -31,7 +31,7 @@ def _float64_reference(vectors: list[np.ndarray], weights: np.ndarray):
 def path(request, monkeypatch):
     """Runs a test on the CPU kernels, then on XLA's path."""
     if request.param == "kernels":
-        assert _cpu_kernels.enabled("cpu"), "the CPU kernels did not build"
+        request.getfixturevalue("cpu_kernels")
     else:
         monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "0")
     return request.param
@@ -64,10 +64,10 @@ def test_dots_and_their_gradient_match_float64(path, batch, n, d):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_the_kernels_run_on_each_devices_samples():
     """Under a jit partitioned over 8 devices, each device's kernel gets its own
     64 samples (no gathered batch), and the results are XLA's."""
-    assert _cpu_kernels.enabled("cpu")
     mesh = Mesh(np.array(jax.devices()[:8]), ("devices",))
     split = NamedSharding(mesh, PartitionSpec("devices"))
     rng = np.random.default_rng(0)
