@@ -61,6 +61,11 @@ from embedding._preprocess import (
     preprocess_sparse_dense_matmul_input,
     preprocessed_input_shapes,
 )
+from embedding._relayout import (
+    embedding_variables_shapes,
+    relayout_embedding_variables,
+    restack,
+)
 from embedding._specs import (
     Combiner,
     FeatureIdTransformation,
@@ -128,6 +133,7 @@ __all__ = [
     "apply_gradients",
     "batch_fdo_stats",
     "coo_buffer_size_per_device",
+    "embedding_variables_shapes",
     "exceeds",
     "fdo_layout",
     "fdo_limits",
@@ -147,6 +153,8 @@ __all__ = [
     "preprocess_sparse_dense_matmul_input",
     "preprocessed_input_shapes",
     "prepare_feature_specs_for_training",
+    "relayout_embedding_variables",
+    "restack",
     "set_stack_limits",
     "shard_tables",
     "sparse_dense_matmul",

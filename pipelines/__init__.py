@@ -12,8 +12,13 @@ one's own.
 
 from pipelines._batching import BatchingConfig, BatchPlan
 from pipelines._dense_moments import DENSE_MOMENTS_NAME, load_dense_moments
-from pipelines._device import DeviceBatch, DeviceIterator, to_device_batch
-from pipelines._errors import DataError
+from pipelines._device import (
+    DEFAULT_INPUT_TIMEOUT_S,
+    DeviceBatch,
+    DeviceIterator,
+    to_device_batch,
+)
+from pipelines._errors import DataError, InputTimeoutError, InputWorkerError
 from pipelines._grain import (
     GrainOptions,
     WorkerPriority,
@@ -57,6 +62,7 @@ from pipelines._tfdata import make_tfdata_iterator
 from pipelines._tfdata_map import TFDataPreprocess
 
 __all__ = [
+    "DEFAULT_INPUT_TIMEOUT_S",
     "DENSE_MOMENTS_NAME",
     "BadRecordError",
     "BadRecordPolicy",
@@ -75,6 +81,8 @@ __all__ = [
     "HostIterator",
     "IdType",
     "InputRecordError",
+    "InputTimeoutError",
+    "InputWorkerError",
     "LayOutBatch",
     "LabelColumn",
     "PackedInput",

@@ -15,6 +15,11 @@ its own slice.
 with each batch, the host iterator's state after it: `get_state()` is the
 position after the last batch the loop took, not after the batches still in
 the buffer, so a checkpoint resumes exactly.
+
+A `next()` that waits for a batch checks the host's worker processes as it
+waits and gives up after the input timeout, so that a dead or stuck input is
+an error that names it, never a hang: the thread may be stuck inside the
+input, where nothing can interrupt it, but the caller never is.
 """
 
 from __future__ import annotations
@@ -30,11 +35,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
 from embedding._checks import check_int
+from pipelines._errors import InputTimeoutError, InputWorkerError
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput
 from pipelines._preprocess_stage import HostBatch
 
 _PUT_POLL_S = 0.1
+# How often a waiting `next()` checks the workers.
+_CHECK_S = 0.5
+# The longest a `DeviceIterator` waits for a batch by default: a first batch
+# includes starting the worker processes, and workers at idle priority on a
+# busy host are slow, but not this slow.
+DEFAULT_INPUT_TIMEOUT_S = 600.0
 
 
 class DeviceBatch(NamedTuple):
@@ -112,6 +124,8 @@ class DeviceIterator(Iterator[DeviceBatch]):
       host: the host batches (closed with this iterator).
       mesh: the 1-D mesh of all devices.
       buffer_size: batches kept on the devices ahead of the caller.
+      timeout_s: the longest `next()` (and `set_state()`) waits for the
+        input before it raises `InputTimeoutError`.
 
     Example:
       with DeviceIterator(make_grain_iterator(...), mesh) as batches:
@@ -119,9 +133,19 @@ class DeviceIterator(Iterator[DeviceBatch]):
               state = train_step(state, batch)
     """
 
-    def __init__(self, host: HostIterator, mesh: Mesh, *, buffer_size: int = 2):
+    def __init__(
+        self,
+        host: HostIterator,
+        mesh: Mesh,
+        *,
+        buffer_size: int = 2,
+        timeout_s: float = DEFAULT_INPUT_TIMEOUT_S,
+    ):
         check_int(buffer_size, "buffer_size", 1)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
         _row_sharding(mesh)
+        self._timeout_s = timeout_s
         self._host = host
         self._mesh = mesh
         self._buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
@@ -148,10 +172,20 @@ class DeviceIterator(Iterator[DeviceBatch]):
         return self
 
     def __next__(self) -> DeviceBatch:
+        """The next batch.
+
+        Raises:
+          InputWorkerError: a worker process of the input ended.
+          InputTimeoutError: no batch came within `timeout_s`.
+        """
         if self._ended is None:
             self.start_prefetch()
             start = time.perf_counter()
-            item = self._buffer.get()
+            try:
+                item = self._wait()
+            except (InputWorkerError, InputTimeoutError) as error:
+                self._ended = _End(error)
+                raise
             self._host.pipeline_stats.add_device_wait(time.perf_counter() - start)
             if not isinstance(item, _End):
                 batch, self._state = item
@@ -185,12 +219,21 @@ class DeviceIterator(Iterator[DeviceBatch]):
         self._ended = None
 
     def close(self) -> None:
-        """Stops the thread (once the batch it prepares is ready) and closes the host iterator."""
+        """Stops the thread (once the batch it prepares is ready) and closes the host iterator.
+
+        After the input failed (`InputWorkerError`, `InputTimeoutError`) the
+        thread, which may wait inside the failed input, is not waited for.
+        """
         if self._closed:
             return
         self._closed = True
-        self._join()
-        self._host.close()
+        failed = self._ended is not None and isinstance(
+            self._ended.error, (InputWorkerError, InputTimeoutError)
+        )
+        try:
+            self._join(wait=not failed)
+        finally:
+            self._host.close()
 
     def __enter__(self) -> DeviceIterator:
         return self
@@ -222,12 +265,43 @@ class DeviceIterator(Iterator[DeviceBatch]):
             except queue.Full:
                 continue
 
-    def _join(self) -> None:
-        """Stops the thread (after the batch it is preparing) and empties the buffer."""
+    def _wait(self):
+        """The next item of the buffer; checks the host's workers while it waits."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                return self._buffer.get(timeout=min(_CHECK_S, max(deadline - time.monotonic(), 0)))
+            except queue.Empty:
+                pass
+            self._host.check_workers()
+            if time.monotonic() >= deadline:
+                raise InputTimeoutError(
+                    f"No input batch came within {self._timeout_s:g} s: "
+                    f"{self._host.awaited()}. A slower input needs a longer timeout."
+                )
+
+    def _join(self, *, wait: bool = True) -> None:
+        """Stops the thread (after the batch it is preparing) and empties the buffer.
+
+        Args:
+          wait: wait for the thread to stop; without, a thread waiting inside
+            a failed input is left behind (it puts nothing more).
+
+        Raises:
+          InputTimeoutError: the thread waited for the input longer than `timeout_s`.
+        """
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join()
+        if wait:
+            self._thread.join(self._timeout_s)
+            if self._thread.is_alive():
+                error = InputTimeoutError(
+                    f"The input did not deliver within {self._timeout_s:g} s: "
+                    f"{self._host.awaited()}."
+                )
+                self._ended = _End(error)
+                raise error
         self._thread = None
         while not self._buffer.empty():
             self._buffer.get_nowait()

@@ -1,4 +1,4 @@
-"""Errors of the input data: record files and the records in them."""
+"""Errors of the input: record files, the records in them, the processes reading them."""
 
 from __future__ import annotations
 
@@ -11,3 +11,11 @@ class DataError(SparseflowError, ValueError):
 
 class RecordFileNotFoundError(DataError, FileNotFoundError):
     """A record file named explicitly that does not exist."""
+
+
+class InputWorkerError(SparseflowError, RuntimeError):
+    """A worker process of the input ended while the run needed it; the worker is named."""
+
+
+class InputTimeoutError(SparseflowError, TimeoutError):
+    """No batch came within the input timeout; the batch and who prepares it are named."""

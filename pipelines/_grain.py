@@ -20,6 +20,10 @@ agreed on with key `2 * b` by the workers `b mod W` of all hosts.
 The iterator's state is Grain's (per-worker positions), so a restored run
 continues with exactly the batches an uninterrupted run would have produced,
 on the same workers. Restoring needs the same worker count.
+
+Each worker reports its pid as it starts (`GrainWorkers`), so that one that
+dies is named in an `InputWorkerError`, and closing the iterator takes a
+bounded time even when a worker is dead or stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import functools
 import gc
 import logging
 import os
+import threading
 import time
 
 import grain
@@ -41,6 +46,7 @@ from embedding._checks import check_int
 from parallel import allreduce
 from pipelines._array_record import ArrayRecordReader
 from pipelines._batching import BatchingConfig, BatchPlan
+from pipelines._grain_workers import GrainWorkers
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import packed_shape
 from pipelines._preprocess_stage import (
@@ -57,6 +63,8 @@ from pipelines._stats import PipelineStats
 
 _log = logging.getLogger(__name__)
 _NO_SHARED_MEMORY = 2**62
+# How long a close waits for Grain's, before and after killing the workers.
+_CLOSE_S = 10.0
 # (worker index, worker count) of this process when it is a Grain worker.
 _worker: tuple[int, int] | None = None
 
@@ -113,7 +121,11 @@ class GrainOptions:
 
 
 def init_grain_worker(
-    worker_index: int, worker_count: int, *, priority: WorkerPriority = WorkerPriority.IDLE
+    worker_index: int,
+    worker_count: int,
+    *,
+    priority: WorkerPriority = WorkerPriority.IDLE,
+    workers: GrainWorkers | None = None,
 ) -> None:
     """Grain's `worker_init_fn` for workers that lay batches out (`mp_prefetch`).
 
@@ -121,9 +133,12 @@ def init_grain_worker(
     `worker_index` (the ports of `agreement.for_worker(worker_index)`), so
     that worker w of every host agrees on the minibatching of the batches
     `b = w, w + W, ...` it receives; `LayOutBatch` checks that it receives
-    those.
+    those. With `workers`, the worker reports its pid there first, so that
+    the training process can name it if it dies.
     """
     global _worker
+    if workers is not None:
+        workers.register(worker_index)
     priority = checked_enum(WorkerPriority, priority, "priority")
     if priority is WorkerPriority.IDLE:
         _idle_priority()
@@ -203,8 +218,9 @@ class _PrepareBatch:
 class _GrainSource:
     """A Grain iterator as a `BatchSource`; dropped on close so teardown stays quiet."""
 
-    def __init__(self, dataset: grain.IterDataset):
+    def __init__(self, dataset: grain.IterDataset, workers: GrainWorkers | None):
         self._iterator = iter(dataset)
+        self._workers = workers
 
     def __next__(self) -> HostBatch:
         return next(self._iterator)
@@ -222,7 +238,50 @@ class _GrainSource:
 
     def close(self) -> None:
         iterator, self._iterator = self._iterator, None
+        if self._workers is None:
+            iterator.close()
+            return
+        # Once a worker died the input is over: the others are killed rather
+        # than asked to stop, which takes a worker at idle priority on a busy
+        # host long.
+        killed = self._workers.any_ended()
+        if killed:
+            self._workers.kill()
+        # Grain's close waits for its reader of each worker, which waits for
+        # what the worker sends, forever if it is stopped: past a bound the
+        # workers are killed, which ends those waits, and Grain's close may
+        # then fail on what they left half-sent.
+        failure: list[Exception] = []
+        closing = threading.Thread(
+            target=_close_grain,
+            args=(iterator, failure),
+            name="sparseflow-grain-close",
+            daemon=True,
+        )
+        closing.start()
+        closing.join(_CLOSE_S)
+        if closing.is_alive() and not killed:
+            killed = True
+            self._workers.kill()
+            closing.join(_CLOSE_S)
+        self._workers.close()
+        if closing.is_alive():
+            _log.warning(
+                "The Grain iterator did not close within %.0f s of its workers being killed; "
+                "its threads are left to end with the process.",
+                _CLOSE_S,
+            )
+        elif failure and killed:
+            _log.info("Grain's close, after its workers were killed: %r", failure[0])
+        elif failure:
+            raise failure[0]
+
+
+def _close_grain(iterator, failure: list[Exception]) -> None:
+    try:
         iterator.close()
+    except Exception as error:  # handed to `_GrainSource.close`
+        failure.append(error)
 
 
 def make_grain_iterator(
@@ -255,7 +314,7 @@ def make_grain_iterator(
       ValueError: inconsistent settings, or a dataset smaller than one
         global batch.
     """
-    dataset, plan, stage, buffers = grain_dataset(
+    dataset, plan, stage, buffers, workers = grain_dataset(
         data, batching=batching, preprocess=preprocess, options=options
     )
 
@@ -271,11 +330,12 @@ def make_grain_iterator(
         "worker_count": options.worker_count,
     }
     return HostIterator(
-        _GrainSource(dataset),
+        _GrainSource(dataset, workers),
         pipeline=pipeline,
         num_batches=plan.num_batches,
         stats=PipelineStats("grain input", log_interval_s=log_interval_s),
         on_close=close,
+        workers=workers,
     )
 
 
@@ -285,15 +345,18 @@ def grain_dataset(
     batching: BatchingConfig,
     preprocess: PreprocessConfig,
     options: GrainOptions = GrainOptions(),
-) -> tuple[grain.IterDataset, BatchPlan, PreprocessStage, SharedBatchBuffers | None]:
-    """The Grain dataset of `make_grain_iterator`, with its plan, stage and shared buffers.
+) -> tuple[
+    grain.IterDataset, BatchPlan, PreprocessStage, SharedBatchBuffers | None, GrainWorkers | None
+]:
+    """The Grain dataset of `make_grain_iterator`, with its plan, stage, buffers and workers.
 
-    Iterate the dataset once at a time: its workers own the shared buffers.
+    Iterate the dataset once at a time: its workers own the shared buffers
+    and report to `GrainWorkers`.
 
     Returns:
       `(dataset of HostBatch, the batch plan, the preprocessing stage, the
-      workers' shared buffers or None)`; close the stage and the buffers
-      after the iterator.
+      workers' shared buffers or None, the workers' `GrainWorkers` or None)`;
+      close the stage, the buffers and the workers after the iterator.
     """
     check_batch_sizes(batching, preprocess)
     if not flags.FLAGS.is_parsed():
@@ -302,6 +365,7 @@ def grain_dataset(
     plan = batch_plan(reader.files.num_records, batching)
     stage = PreprocessStage(preprocess)
     buffers = _shared_buffers(preprocess, options)
+    workers = GrainWorkers(options.worker_count) if options.worker_count else None
     dataset = (
         grain.MapDataset.range(plan.num_batches)
         .map(_PrepareBatch(plan, reader, stage, buffers))
@@ -323,9 +387,11 @@ def grain_dataset(
                 num_workers=options.worker_count,
                 per_worker_buffer_size=options.worker_buffer_size,
             ),
-            worker_init_fn=functools.partial(init_grain_worker, priority=options.worker_priority),
+            worker_init_fn=functools.partial(
+                init_grain_worker, priority=options.worker_priority, workers=workers
+            ),
         )
-    return dataset, plan, stage, buffers
+    return dataset, plan, stage, buffers, workers
 
 
 def batch_record_indices(

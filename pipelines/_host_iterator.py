@@ -43,6 +43,16 @@ class BatchSource(Protocol):
     def close(self) -> None: ...
 
 
+class Workers(Protocol):
+    """The worker processes of an input path, watched so that errors can name them."""
+
+    def check(self, due: int) -> None:
+        """Raises `InputWorkerError` if a worker ended; batch `due` is awaited."""
+
+    def describe(self, batch_number: int) -> str:
+        """Who prepares batch `batch_number` (a worker, its pid and state)."""
+
+
 class HostIterator(Iterator[HostBatch]):
     """Yields this host's preprocessed batches, in batch order.
 
@@ -55,6 +65,7 @@ class HostIterator(Iterator[HostBatch]):
       num_batches: batches the iterator yields in all.
       stats: where batches are counted.
       on_close: called once by `close()`.
+      workers: the source's worker processes, or None (it has none).
     """
 
     def __init__(
@@ -65,12 +76,14 @@ class HostIterator(Iterator[HostBatch]):
         num_batches: int,
         stats: PipelineStats,
         on_close: Callable[[], None] = lambda: None,
+        workers: Workers | None = None,
     ):
         self._source: BatchSource | None = source
         self._pipeline = dict(pipeline)
         self._num_batches = num_batches
         self._stats = stats
         self._on_close = on_close
+        self._workers = workers
         self._next_batch = 0
 
     @property
@@ -95,9 +108,25 @@ class HostIterator(Iterator[HostBatch]):
         return self
 
     def __next__(self) -> HostBatch:
+        """The next batch.
+
+        Raises:
+          InputWorkerError: a worker process ended.
+        """
         source = self._live_source()
         start = time.perf_counter()
-        batch = next(source)
+        try:
+            batch = next(source)
+        except StopIteration:
+            raise
+        except Exception:
+            # A worker's death reaches here as the path's own error (Grain's
+            # RuntimeError), which does not say which worker it was.
+            self.check_workers()
+            raise
+        # Every batch checks, so that a worker is known while it lives: once
+        # ended, it may no longer be found.
+        self.check_workers()
         if batch.batch_number != self._next_batch:
             raise RuntimeError(
                 f"The input pipeline produced batch {batch.batch_number} where batch "
@@ -106,6 +135,18 @@ class HostIterator(Iterator[HostBatch]):
         self._stats.add_batch(batch.report, time.perf_counter() - start)
         self._next_batch += 1
         return batch
+
+    def check_workers(self) -> None:
+        """Raises `InputWorkerError` if a worker process ended (safe from any thread)."""
+        if self._workers is not None:
+            self._workers.check(self._next_batch)
+
+    def awaited(self) -> str:
+        """The batch `next()` waits for and who prepares it, for errors (safe from any thread)."""
+        awaited = f"batch {self._next_batch} of {self._num_batches}"
+        if self._workers is None:
+            return awaited
+        return f"{awaited}, prepared by {self._workers.describe(self._next_batch)}"
 
     def get_state(self) -> bytes:
         """The position after the last batch returned, as JSON bytes."""

@@ -13,6 +13,10 @@ opened. A checkpoint damaged afterwards (a missing or truncated file) fails
 to restore, and the next older one is used, with a warning. A checkpoint of
 another run, or with other arrays, is an error, not damage: falling back
 would walk through every step and restart the run from scratch.
+
+Each checkpoint is read as a `Reading` says: by default as this run's own
+arrays; a run can read a checkpoint of another layout (another mesh,
+`_mesh_change`) into other shapes and adapt what it restored.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -60,6 +64,28 @@ class Snapshot(NamedTuple):
     arrays: Any
     iterator_state: bytes
     metadata: dict
+
+
+class Reading(NamedTuple):
+    """How one checkpoint is read into this run.
+
+    Attributes:
+      run: the identity of the run it must have been written by (None: any).
+      like: the arrays it must hold (shapes and dtypes), with the shardings
+        to restore them with.
+      adapt: turns the restored snapshot into this run's (e.g. lays tables
+        out for this mesh); by default it is this run's as it is.
+      refusal: why this run cannot take the checkpoint at all, or None.
+    """
+
+    run: Mapping[str, Any] | None
+    like: Any
+    adapt: Callable[[Snapshot], Snapshot] = lambda snapshot: snapshot
+    refusal: str | None = None
+
+
+ReadAs = Callable[[dict, Any], Reading | None]
+"""`(a checkpoint's metadata, this run's arrays) -> Reading`, or None to read it as this run's."""
 
 
 class CheckpointError(RuntimeError):
@@ -104,16 +130,30 @@ class Checkpoints:
         one written by another number of processes then restores an empty
         input position).
       keep: how many recent checkpoints to keep.
+      read_only: only read the folder, which a run may still be writing: the
+        steps a crash (or that run) left unfinished stay, and `save` is
+        refused.
     """
 
-    def __init__(self, directory: str | Path, *, run: Mapping[str, Any] | None, keep: int = 3):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        run: Mapping[str, Any] | None,
+        keep: int = 3,
+        read_only: bool = False,
+    ):
         self._directory = Path(directory).absolute()
         self._run = None if run is None else dict(run)
-        if jax.process_index() == 0 and self._directory.is_dir():
+        self._read_only = read_only
+        if not read_only and jax.process_index() == 0 and self._directory.is_dir():
             _recover_from_crash(self._directory)
         _hosts.barrier("sparseflow:checkpoints_recovered")
         self._manager = ocp.CheckpointManager(
-            self._directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+            self._directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=not read_only, read_only=read_only
+            ),
         )
         # Restores read the items through their handlers, not the manager:
         # the manager's restore ends in a barrier that a process whose read
@@ -129,6 +169,8 @@ class Checkpoints:
         A step already there (one a resumed run fell back past, as damaged)
         is set aside, and deleted only once its replacement is complete.
         """
+        if self._read_only:
+            raise ValueError(f"The checkpoints in {self._directory} were opened read-only.")
         # Only process 0 writes the metadata; each process writes its own position.
         _check_utf8(snapshot.iterator_state)
         metadata = dict(
@@ -171,12 +213,14 @@ class Checkpoints:
                 return metadata
         return None
 
-    def restore_latest(self, like: Any) -> Snapshot | None:
+    def restore_latest(self, like: Any, read_as: ReadAs | None = None) -> Snapshot | None:
         """The newest checkpoint that restores on every process, or None if there is none.
 
         Args:
           like: a pytree of arrays with the shapes, dtypes and shardings to
             restore into (e.g. the freshly initialized state).
+          read_as: how to read a checkpoint, given its metadata (e.g. one of
+            another mesh); by default, into `like` as this run's own.
 
         Raises:
           CheckpointMismatchError: the newest readable checkpoint was written
@@ -192,7 +236,7 @@ class Checkpoints:
             )
         errors = []
         for step in reversed(steps):
-            snapshot, damage = self._restore(step, like)
+            snapshot, damage = self._restore(step, like, read_as)
             if _hosts.all_true(snapshot is not None):
                 return snapshot
             damage = damage or "it does not restore on another process"
@@ -204,30 +248,41 @@ class Checkpoints:
             raise CheckpointError("No checkpoint could be restored: " + "; ".join(errors))
         return None
 
-    def _restore(self, step: int, like: Any) -> tuple[Snapshot | None, str | None]:
+    def _restore(
+        self, step: int, like: Any, read_as: ReadAs | None
+    ) -> tuple[Snapshot | None, str | None]:
         """The checkpoint at `step`, or None and why it is damaged.
 
         Raises:
           CheckpointMismatchError: it is of another run, on any process.
         """
         metadata, damage = self._metadata(step)
+        reading = None if metadata is None or read_as is None else read_as(metadata, like)
+        if reading is None:
+            reading = Reading(self._run, like)
         step_directory = self._directory / str(step)
         mismatch = (
-            None if metadata is None else _mismatch(metadata, like, self._run, step_directory)
+            None
+            if metadata is None
+            else _mismatch(metadata, reading, step_directory, resuming=self._run is not None)
         )
         if not _hosts.all_true(mismatch is None):
+            advice = (
+                " Resume with the config and data it was written with, or give this run an "
+                "empty or new --checkpoint-dir."
+                if self._run is not None
+                else ""
+            )
             raise CheckpointMismatchError(
                 f"The checkpoint at step {step} in {self._directory} "
-                f"{mismatch or 'is of another run on another process (see its error)'}. Resume "
-                "with the config and data it was written with, or give this run an empty or "
-                "new --checkpoint-dir."
+                f"{mismatch or 'is of another run on another process (see its error)'}.{advice}"
             )
         if metadata is None:
             return None, damage
         position = _Position()
         try:
             restored = self._arrays_handler.restore(
-                step_directory / "arrays", args=ocp.args.StandardRestore(_abstract(like))
+                step_directory / "arrays", args=ocp.args.StandardRestore(_abstract(reading.like))
             )
             inspected_elsewhere = self._run is None and jax.process_count() not in _input_processes(
                 step_directory
@@ -240,8 +295,8 @@ class Checkpoints:
             return None, str(e)
         state = b"" if inspected_elsewhere else position.get_state()
         # Orbax restores scalars onto one device; place every array as in `like`.
-        arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored, like)
-        return Snapshot(step, arrays, state, metadata), None
+        arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored, reading.like)
+        return reading.adapt(Snapshot(step, arrays, state, metadata)), None
 
     def _metadata(self, step: int) -> tuple[dict | None, str | None]:
         try:
@@ -300,13 +355,22 @@ def _input_processes(step_directory: Path) -> set[int]:
     return found
 
 
-def _mismatch(metadata: dict, like: Any, run: dict | None, step_directory: Path) -> str | None:
-    """How the checkpoint's run, arrays or processes differ from this run's, or None."""
+def _mismatch(
+    metadata: dict, reading: Reading, step_directory: Path, *, resuming: bool
+) -> str | None:
+    """How the checkpoint's run, arrays or processes differ from what `reading` expects, or None.
+
+    The input positions are checked only when `resuming` (an inspection
+    reads the arrays alone).
+    """
+    run = reading.run
     if "iterator_states" in metadata:
         return (
             "was written by an earlier sparseflow (its input positions are inside the "
             "metadata, not saved by Grain's checkpoint handler); this version cannot resume it"
         )
+    if reading.refusal is not None:
+        return reading.refusal
     if run is not None:
         if metadata.get("run") is None:
             return "records no run identity (it was written by an earlier sparseflow)"
@@ -314,12 +378,11 @@ def _mismatch(metadata: dict, like: Any, run: dict | None, step_directory: Path)
         if found:
             return f"was written by another run: {_run_identity.describe(found)}"
     found = _run_identity.differences(
-        metadata.get("arrays_layout", {}), _run_identity.array_layout(like), "arrays"
+        metadata.get("arrays_layout", {}), _run_identity.array_layout(reading.like), "arrays"
     )
     if found:
         return f"holds other arrays than this run: {_run_identity.describe(found)}"
-    # An inspection reads the arrays only; the input positions are for a resume.
-    counts = _input_processes(step_directory) if run is not None else set()
+    counts = _input_processes(step_directory) if resuming else set()
     if counts and jax.process_count() not in counts:
         return (
             f"holds the input positions of {sorted(counts)} processes, not of {jax.process_count()}"

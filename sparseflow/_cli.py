@@ -14,6 +14,7 @@
                    [--resume] [--metrics-dir D] [--num-processes P] [--devices N]
                    [--no-compilation-cache]
                    [--agreement-tls-dir D] [--agreement-secret-file F]
+  sparseflow convert-checkpoint --config C [--devices N] --checkpoint-dir D --out DIR
   sparseflow --version
 
 `--config` takes a YAML file or the name of a shipped config (`demo`,
@@ -42,6 +43,7 @@ import pipelines
 from embedding import SparseflowError
 from sparseflow import (
     _compilation_cache,
+    _convert_checkpoint,
     _demo,
     _fdo_command,
     _import_command,
@@ -191,6 +193,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     _train_command.add_arguments(train)
     train.set_defaults(run=_train_command.run)
+
+    convert = subcommand(
+        commands,
+        "convert-checkpoint",
+        "rewrite a run's newest checkpoint for the mesh of its config (another device count "
+        "or partitions per device), without training",
+        "sparseflow convert-checkpoint --config demo --devices 4 --checkpoint-dir ckpt --out ckpt4",
+    )
+    _convert_checkpoint.add_arguments(convert)
+    convert.set_defaults(run=_convert_checkpoint.run)
     return parser
 
 

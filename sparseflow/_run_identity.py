@@ -39,6 +39,14 @@ def run_identity(
       pipelined: whether the run is SC/TC pipelined (its state is saved).
       processes: processes of the run (each saves its input position).
     """
+    return dict(
+        layout_identity(config, pipelined=pipelined, processes=processes),
+        dataset=dataset_fingerprint(data),
+    )
+
+
+def layout_identity(config: RunConfig, *, pipelined: bool, processes: int) -> Identity:
+    """`run_identity` without the dataset: what the config says of the run."""
     # The mesh first: a message shows the first differences, and another
     # device count also changes the stacked tables' layout after it.
     return {
@@ -51,7 +59,6 @@ def run_identity(
         "model": _plain(config.model),
         "pipelined": pipelined,
         "input_order": {"seed": config.seed, "shuffle": config.training.shuffle},
-        "dataset": dataset_fingerprint(data),
     }
 
 

@@ -30,12 +30,12 @@ import embedding
 import parallel
 import pipelines
 from parallel import allreduce
-from sparseflow import _limit_feedback, _model, _run_identity
+from sparseflow import _in_flight, _limit_feedback, _mesh_change, _model, _run_identity
 from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
 from sparseflow._metrics import MetricsWriter, Progress
-from sparseflow._steps import DenseInputs, Stages, init_train_state, replicate
+from sparseflow._steps import DenseInputs, Stages, TrainState, init_train_state, replicate
 
 _log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class TrainOptions:
       checkpoint_dir: where checkpoints go, or None for none. Without
         `resume` it must be empty or missing.
       resume: continue from the newest checkpoint in `checkpoint_dir`, which
-        must have been written by this run (same layout config and data).
+        must have been written by this run (same layout config and data; the
+        device count and partitions per device may differ, `_mesh_change`).
       metrics_dir: TensorBoard event files, or None.
       stop_after: end the process abruptly after this many steps (after the
         step's checkpoint, if one is due): what a crash leaves, for resume tests.
@@ -61,6 +62,9 @@ class TrainOptions:
       agreement_port: overrides `training.agreement_port` (0: keep it).
       agreement_hosts: the hosts' addresses in process order, for the
         minibatching agreement (default: all 127.0.0.1, local processes).
+      input_timeout_s: the longest the loop waits for a batch before it
+        stops with `pipelines.InputTimeoutError`; a Grain worker that dies
+        stops it at once (`pipelines.InputWorkerError`).
     """
 
     data: str | Sequence[str]
@@ -75,6 +79,7 @@ class TrainOptions:
     progress: bool = True
     agreement_port: int = 0
     agreement_hosts: Sequence[str] | None = None
+    input_timeout_s: float = pipelines.DEFAULT_INPUT_TIMEOUT_S
 
 
 class TrainingDivergedError(embedding.SparseflowError, ValueError):
@@ -239,7 +244,7 @@ def _iterator(
             worker_priority=config.training.worker_priority,
         ),
     )
-    return pipelines.DeviceIterator(host, mesh)
+    return pipelines.DeviceIterator(host, mesh, timeout_s=options.input_timeout_s)
 
 
 def _batching(config: RunConfig, *, training: bool) -> pipelines.BatchingConfig:
@@ -293,17 +298,7 @@ class _Run:
         self.tables = embedding.init_embedding_variables(
             key_tables, self.specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
         )
-        dims = {name: f.table_spec.embedding_dim for name, f in self.specs.items()}
-        self.state = replicate(
-            init_train_state(
-                key_dense,
-                config.model,
-                config.layout.num_dense_features,
-                dims,
-                self.stages.optimizer,
-            ),
-            mesh,
-        )
+        self.state = replicate(dense_state(config, self.specs, key_dense), mesh)
         self.pipeline_state = None
         self.losses: list[float] = []
         self.window = collections.deque(maxlen=max(config.training.log_every, 1))
@@ -357,6 +352,13 @@ class _Run:
             return float("nan")
         logits, labels = (np.concatenate(x) for x in zip(*self.window, strict=True))
         return _model.roc_auc(labels, logits)
+
+
+def dense_state(config: RunConfig, specs, key: jax.Array) -> TrainState:
+    """The dense tower's initial parameters, optimizer state and step, for `specs`' features."""
+    dims = {name: f.table_spec.embedding_dim for name, f in specs.items()}
+    optimizer = _model.dense_optimizer(config.model)
+    return init_train_state(key, config.model, config.layout.num_dense_features, dims, optimizer)
 
 
 def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
@@ -417,14 +419,14 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     metrics = MetricsWriter(options.metrics_dir if jax.process_index() == 0 else None)
     if options.resume and checkpoints is not None:
         run.use_specs(_checkpoint_specs(run, checkpoints.newest_metadata()))
-    with _training_batches(run) as batches:
+    with _input_failures_noted(options), _training_batches(run) as batches:
         n = _number_of_steps(run, batches)
         first = next(batches)
         if run.pipelined:
             run.pipeline_state = _initial_pipeline_state(run, first)
         start, pending = 0, first
         if options.resume and checkpoints is not None:
-            snapshot = checkpoints.restore_latest(run.arrays())
+            snapshot = checkpoints.restore_latest(run.arrays(), read_as=_other_mesh(run))
             if snapshot is not None:
                 run.set_arrays(snapshot.arrays)
                 run.losses = list(snapshot.metadata["losses"])
@@ -458,6 +460,22 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
     )
 
 
+@contextlib.contextmanager
+def _input_failures_noted(options: TrainOptions):
+    """Adds to an input failure how to go on: a longer timeout, the checkpoints to resume."""
+    try:
+        yield
+    except (pipelines.InputWorkerError, pipelines.InputTimeoutError) as error:
+        if isinstance(error, pipelines.InputTimeoutError):
+            error.add_note("sparseflow train --input-timeout SECONDS sets the timeout.")
+        if options.checkpoint_dir is not None:
+            error.add_note(
+                "Training stopped; the checkpoints written are whole, and --resume goes on "
+                "from the newest."
+            )
+        raise
+
+
 def _training_batches(run: _Run) -> _limit_feedback.FeedbackIterator:
     config, options, mesh = run.config, run.options, run.mesh
     batching = _batching(config, training=True)
@@ -476,16 +494,45 @@ def _training_batches(run: _Run) -> _limit_feedback.FeedbackIterator:
 
 
 def _checkpoint_specs(run: _Run, metadata: dict | None):
-    """The run's specs with the limits a checkpoint was written under."""
-    limits = None if metadata is None else metadata.get("limits")
+    """The run's specs with the limits a checkpoint of this mesh was written under."""
+    written_here = metadata is not None and _mesh_change.written_here(metadata, run.config)
+    limits = metadata.get("limits") if written_here else None
     return _limit_feedback.specs_with_metadata(run.specs, fdo_geometry(run.config), limits)
 
 
-def _checkpoints(run: _Run) -> Checkpoints:
-    identity = _run_identity.run_identity(
-        run.config, run.options.data, pipelined=run.pipelined, processes=jax.process_count()
+def _identity(run: _Run, config: RunConfig) -> dict[str, Any]:
+    """The run identity of `run` with `config` (its own, or as on a checkpoint's mesh)."""
+    return _run_identity.run_identity(
+        config, run.options.data, pipelined=run.pipelined, processes=jax.process_count()
     )
-    return Checkpoints(run.options.checkpoint_dir, run=identity)
+
+
+def _checkpoints(run: _Run) -> Checkpoints:
+    return Checkpoints(run.options.checkpoint_dir, run=_identity(run, run.config))
+
+
+def _other_mesh(run: _Run) -> _mesh_change.OtherMesh:
+    """Reads checkpoints of this run written on another mesh, laying them out for this one."""
+    config, options, mesh = run.config, run.options, run.mesh
+    in_flight = None
+    if run.pipelined:
+        fresh, batching = run.pipeline_state, _batching(config, training=True)
+
+        def in_flight(saved, tables, snapshot: Snapshot):
+            preprocess = _preprocess_config(config, options, run.specs, mesh)
+            return _in_flight.relaid_pipeline_state(
+                saved,
+                fresh,
+                tables,
+                calls=snapshot.step,
+                next_batch=_in_flight.next_batch(snapshot.iterator_state),
+                batch=lambda number: _in_flight.read_batch(
+                    options.data, batching, preprocess, mesh, number
+                ),
+                stages=run.stages,
+            )
+
+    return _mesh_change.OtherMesh(config, mesh, lambda c: _identity(run, c), in_flight)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 
 import embedding
+import pipelines
 from sparseflow import _launch, _train
 from sparseflow._arguments import (
     add_compilation_cache_argument,
@@ -60,6 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=argparse.SUPPRESS,
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--input-timeout",
+        type=positive_int,
+        default=int(pipelines.DEFAULT_INPUT_TIMEOUT_S),
+        metavar="SECONDS",
+        help="stop with an error when no batch comes for this long "
+        "(default: %(default)s; a Grain worker that dies stops the run at once)",
+    )
     add_devices_argument(parser)
     add_compilation_cache_argument(parser)
     parser.add_argument(
@@ -181,6 +190,7 @@ def options(args: argparse.Namespace, config: RunConfig) -> _train.TrainOptions:
         progress=not args.no_progress,
         agreement_port=args.agreement_port,
         agreement_hosts=args.agreement_hosts.split(",") if args.agreement_hosts else None,
+        input_timeout_s=args.input_timeout,
     )
 
 

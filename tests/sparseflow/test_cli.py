@@ -311,7 +311,9 @@ def test_quiet_by_default_before_and_after_the_subcommand():
     assert _cli._parser().parse_args(["stats"]).verbose is False
 
 
-@pytest.mark.parametrize("command", ["make-data", "demo", "stats", "fdo", "import", "train"])
+@pytest.mark.parametrize(
+    "command", ["make-data", "demo", "stats", "fdo", "import", "train", "convert-checkpoint"]
+)
 def test_every_subcommand_helps_with_a_description_and_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         _cli._parser().parse_args([command, "--help"])

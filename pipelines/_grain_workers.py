@@ -1,0 +1,251 @@
+"""The Grain worker processes of one iterator: which is which, and how one ended.
+
+Grain's `mp_prefetch` starts the worker processes and does not say which
+process is worker w. Each worker therefore reports its index and pid as it
+starts (`GrainWorkers.register`, from `init_grain_worker`) through a pipe of
+the training process, which it opens by path (`/proc/<pid>/fd/<n>`: spawned
+processes inherit no descriptors). The training process reads the reports
+when it checks the workers and keeps each worker's `multiprocessing.Process`
+(Grain's own, among `multiprocessing.active_children()`): its exit code says
+how the worker ended, whichever thread collected it.
+
+Grain notices a dead worker only when the worker's queue is empty and whole;
+a worker killed while it sends a batch larger than a pipe's buffer leaves half
+a batch there, and Grain's reader waits for the rest forever. The checks
+here do not read the queues, so they find that worker too, and then let go
+of the pipes it shared with the training process (`_worker_pipes`), which
+ends that wait.
+
+Without `/proc` the workers do not report: errors name the worker by its
+index only, and a worker's death is Grain's to notice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import struct
+import threading
+import time
+
+from pipelines._errors import InputWorkerError
+from pipelines._worker_pipes import let_go, pipe_inodes
+
+_log = logging.getLogger(__name__)
+# A report: worker index, pid. Smaller than PIPE_BUF, so written whole.
+_REPORT = struct.Struct("<qq")
+# How long `kill()` waits for the killed workers to end.
+_KILL_WAIT_S = 5.0
+_KILL_POLL_S = 0.05
+
+
+class GrainWorkers:
+    """The `mp_prefetch` workers of one Grain iterator, seen from the training process.
+
+    Create it in the training process, hand it to the workers by pickling
+    (`init_grain_worker(..., workers=...)` registers each) and `close()` it
+    once they stopped. Its methods are safe to call from several threads.
+
+    Args:
+      count: W, the iterator's workers; worker w prepares the batches
+        `b = w, w + W, ...`.
+    """
+
+    def __init__(self, count: int):
+        self._count = count
+        self._lock = threading.Lock()
+        self._pids: dict[int, int] = {}
+        self._processes: dict[int, multiprocessing.process.BaseProcess] = {}
+        # How each worker that ended ended, kept: its `Process` may be collected.
+        self._exits: dict[int, str] = {}
+        # The pipes each worker had open, seen while it ran.
+        self._pipes: dict[int, frozenset[int]] = {}
+        self._read_fd: int | None = None
+        self._write_fd: int | None = None
+        self._path: str | None = None
+        self._identity: tuple[int, int] | None = None
+        if os.path.isdir(f"/proc/{os.getpid()}/fd"):
+            self._read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._read_fd, False)
+            self._path = f"/proc/{os.getpid()}/fd/{self._write_fd}"
+            status = os.fstat(self._write_fd)
+            self._identity = (status.st_dev, status.st_ino)
+
+    def register(self, index: int) -> None:
+        """In worker `index`: tells the training process this process's pid."""
+        if self._path is None:
+            return
+        try:
+            fd = os.open(self._path, os.O_WRONLY)
+        except OSError as error:
+            _log.warning("Grain worker %d cannot report its pid (%s).", index, error)
+            return
+        try:
+            # A closed descriptor's number may name another file since.
+            status = os.fstat(fd)
+            if (status.st_dev, status.st_ino) == self._identity:
+                os.write(fd, _REPORT.pack(index, os.getpid()))
+        finally:
+            os.close(fd)
+
+    def check(self, due: int) -> None:
+        """Raises if a worker has ended.
+
+        Args:
+          due: the batch the input waits for (named in the error).
+
+        Raises:
+          InputWorkerError: a worker ended (killed, crashed or exited); the
+            message names it, its pid and how it ended.
+        """
+        with self._lock:
+            self._update()
+            ended = dict(sorted(self._exits.items()))
+        if not ended:
+            return
+        workers = "; ".join(
+            f"{self._name(index)} (pid {self._pids[index]}) {how}" for index, how in ended.items()
+        )
+        hint = (
+            " SIGKILL is what the kernel's out-of-memory killer sends: see its log (dmesg)."
+            if any(signal.SIGKILL.name in how for how in ended.values())
+            else ""
+        )
+        raise InputWorkerError(
+            f"{workers}, while the input needed it (batch {due} was due); the input cannot "
+            f"go on without its workers.{hint}"
+        )
+
+    def any_ended(self) -> bool:
+        """Whether a worker has ended."""
+        with self._lock:
+            self._update()
+            return bool(self._exits)
+
+    def describe(self, batch_number: int) -> str:
+        """Who prepares batch `batch_number`: `Grain worker 1 of 2 (pid 3220, stopped)`."""
+        index = batch_number % self._count
+        with self._lock:
+            self._update()
+            pid = self._pids.get(index)
+            how = self._exits.get(index)
+        if pid is None:
+            return f"{self._name(index)} (which has not reported its pid)"
+        return f"{self._name(index)} (pid {pid}, {how or _state(pid)})"
+
+    def kill(self) -> None:
+        """Kills every worker still running (SIGKILL) and waits a little for them to end.
+
+        A killed worker may have been sending a batch: its pipes are let go
+        of as it is seen ended.
+        """
+        with self._lock:
+            self._update()
+            for index, pid in self._pids.items():
+                if index not in self._exits:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                self._update()
+                if self._exits.keys() >= self._pids.keys():
+                    return
+            time.sleep(_KILL_POLL_S)
+
+    def close(self) -> None:
+        """Stops taking reports (in the training process)."""
+        with self._lock:
+            for fd in (self._read_fd, self._write_fd):
+                if fd is not None:
+                    os.close(fd)
+            self._read_fd = self._write_fd = None
+
+    def __getstate__(self) -> dict:
+        # A worker's copy only registers.
+        return {"_count": self._count, "_path": self._path, "_identity": self._identity}
+
+    def _name(self, index: int) -> str:
+        return f"Grain worker {index} of {self._count}"
+
+    def _update(self) -> None:
+        """Takes new reports, matches workers to their `Process`, notes the ones that ended."""
+        if self._read_fd is None:
+            return
+        try:
+            data = os.read(self._read_fd, 64 * _REPORT.size)
+        except BlockingIOError:
+            data = b""
+        for index, pid in _REPORT.iter_unpack(data):
+            # A worker started again is a new process.
+            self._pids[index] = pid
+            self._processes.pop(index, None)
+            self._exits.pop(index, None)
+            self._pipes[index] = pipe_inodes(pid) - {self._identity[1]}
+        unmatched = {
+            pid: index
+            for index, pid in self._pids.items()
+            if index not in self._processes and index not in self._exits
+        }
+        # Before `active_children()`, which collects the children that ended.
+        for pid, index in list(unmatched.items()):
+            ended, code = _unmatched_exit(pid)
+            if ended:
+                self._ended(index, code)
+                del unmatched[pid]
+        if unmatched:
+            for process in multiprocessing.active_children():
+                if process.pid in unmatched:
+                    self._processes[unmatched[process.pid]] = process
+        for index, process in self._processes.items():
+            if index not in self._exits and process.exitcode is not None:
+                self._ended(index, process.exitcode)
+
+    def _ended(self, index: int, code: int | None) -> None:
+        """Notes that worker `index` ended with `Process.exitcode` `code` (None: unknown)."""
+        self._exits[index] = _exit_description(code)
+        pipes = self._pipes.pop(index, frozenset())
+        # One that exited by itself sent whole batches; another may have been
+        # killed in the middle of one.
+        if code != 0:
+            let_go(pipes)
+
+
+def _unmatched_exit(pid: int) -> tuple[bool, int | None]:
+    """`(ended, exit code as Process.exitcode or None if unknown)` of a child process."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # collected by another
+        return True, None
+    if info is None:
+        return False, None
+    signalled = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+    return True, -info.si_status if signalled else info.si_status
+
+
+def _exit_description(code: int | None) -> str:
+    """`Process.exitcode` in words: `was killed by signal 9 (SIGKILL)`, `exited with status 1`."""
+    if code is None:
+        return "has ended"
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown signal"
+    return f"was killed by signal {-code} ({name})"
+
+
+def _state(pid: int) -> str:
+    """A running process's scheduling state (`sleeping`, `running`, `stopped`, ...)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("State:"):
+                    return line.split("(", 1)[-1].rstrip(")\n")
+    except OSError:
+        pass
+    return "alive"
