@@ -12,7 +12,7 @@
   sparseflow train --config C [--data GLOB] [--eval-data GLOB] [--steps N]
                    [--pipelined | --no-pipelined] [--fdo DIR] [--checkpoint-dir D]
                    [--resume] [--metrics-dir D] [--num-processes P] [--devices N]
-                   [--no-compilation-cache]
+                   [--no-compilation-cache] [--input-timeout SECONDS]
                    [--agreement-tls-dir D] [--agreement-secret-file F]
   sparseflow convert-checkpoint --config C [--devices N] --checkpoint-dir D --out DIR
   sparseflow --version
