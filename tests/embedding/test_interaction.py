@@ -27,23 +27,13 @@ def _float64_reference(vectors: list[np.ndarray], weights: np.ndarray):
     return dots, grads
 
 
-@pytest.fixture(params=["kernels", "xla"])
-def path(request, monkeypatch):
-    """Runs a test on the CPU kernels, then on XLA's path."""
-    if request.param == "kernels":
-        request.getfixturevalue("cpu_kernels")
-    else:
-        monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "0")
-    return request.param
-
-
 # Batches below, at and past a block of 16 samples; widths the kernels know
 # at compile time (16) and not (5, 3), and counts of vectors with and
 # without a tail after groups of 8 pairs.
 @pytest.mark.parametrize(
     ("batch", "n", "d"), [(3, 5, 4), (16, 9, 16), (37, 27, 16), (50, 12, 5), (17, 2, 3)]
 )
-def test_dots_and_their_gradient_match_float64(path, batch, n, d):
+def test_dots_and_their_gradient_match_float64(lookup_path, batch, n, d):
     rng = np.random.default_rng(batch * n * d)
     vectors = [rng.normal(size=(batch, d)).astype(np.float32) for _ in range(n)]
     weights = rng.normal(size=(batch, n * (n - 1) // 2)).astype(np.float32)
@@ -56,7 +46,7 @@ def test_dots_and_their_gradient_match_float64(path, batch, n, d):
     forward = jax.jit(lambda vs: embedding.pairwise_dots(vs))
     backward = jax.jit(jax.grad(loss))
     lowered = backward.lower(vectors).as_text()
-    assert ("sparseflow_pairwise_dots_transpose" in lowered) == (path == "kernels")
+    assert ("sparseflow_pairwise_dots_transpose" in lowered) == (lookup_path == "cpu_kernels")
     got = np.asarray(forward(vectors))
     grads = backward(vectors)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
