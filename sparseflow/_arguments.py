@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+# The config of a command run without `--config`.
+DEFAULT_CONFIG = "demo"
+
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
@@ -79,4 +82,13 @@ def add_compilation_cache_argument(parser: argparse.ArgumentParser) -> None:
         help="compile every program afresh, neither reading nor writing JAX's persistent "
         "compilation cache (default: on, in $SPARSEFLOW_COMPILATION_CACHE or "
         "~/.cache/sparseflow/jax-compilation-cache)",
+    )
+
+
+def add_optional_config_argument(parser: argparse.ArgumentParser) -> None:
+    """`--config C`, the shipped demo config when left out."""
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help=f"a YAML file or a shipped config's name (default: {DEFAULT_CONFIG})",
     )

@@ -34,41 +34,73 @@ status 1, or, with `--verbose`, raises with its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import NamedTuple
 
-import pipelines
 from embedding import SparseflowError
-from sparseflow import (
-    _compilation_cache,
-    _convert_checkpoint,
-    _demo,
-    _fdo_command,
-    _import_command,
-    _launch,
-    _logging,
-    _stats_report,
-    _train_command,
-)
-from sparseflow._arguments import (
-    add_compilation_cache_argument,
-    add_devices_argument,
-    non_negative_int,
-    positive_int,
-    subcommand,
-)
+from sparseflow import _compilation_cache, _logging
+from sparseflow._arguments import subcommand
 from sparseflow._command_config import CommandConfig
 from sparseflow._config import RunConfig
-from sparseflow._config_mesh import devices_noun
-from sparseflow._errors import UsageError
 from sparseflow._version import __version__
 
-DEFAULT_CONFIG = "demo"
-_DEFAULT_CONFIG_HELP = "a YAML file or a shipped config's name (default: demo)"
 _USER_ERROR_EXIT = 2
 _INTERNAL_ERROR_EXIT = 1
+
+
+class _Command(NamedTuple):
+    """A subcommand: its help, and the module with its `add_arguments` and `run`."""
+
+    summary: str
+    example: str
+    module: str
+
+
+# Only the chosen command's module is imported: `train` does not load Apache
+# Beam, which the FDO and import jobs need.
+_COMMANDS = {
+    "make-data": _Command(
+        "write a synthetic dataset for a config's features",
+        "sparseflow make-data --config demo --examples 10000 --out /tmp/data",
+        "sparseflow._make_data_command",
+    ),
+    "demo": _Command(
+        "the whole job on a config's synthetic data: make it if missing, run the "
+        "FDO job, train pipelined, evaluate AUC on the held-out split",
+        "sparseflow demo",
+        "sparseflow._demo_command",
+    ),
+    "stats": _Command(
+        "make the config's dataset if missing, then parse and preprocess it, "
+        "and summarize every table",
+        "sparseflow stats --config demo --batches 20",
+        "sparseflow._stats_command",
+    ),
+    "fdo": _Command(
+        "compute a dataset's FDO stats (limits, buffer sizes) with Apache Beam",
+        "sparseflow fdo --config demo --runner dask --dask-workers 2 --plot fdo.png",
+        "sparseflow._fdo_command",
+    ),
+    "import": _Command(
+        "turn CSV/TSV or Parquet files into sharded records of tf.train.Examples with Apache Beam",
+        "sparseflow import --format criteo --input day_0.tsv --out data/criteo --shards 64",
+        "sparseflow._import_command",
+    ),
+    "train": _Command(
+        "train the recommender on a dataset, streaming batches through Grain",
+        "sparseflow train --config demo --fdo runs/demo/data/fdo --checkpoint-dir ckpt --resume",
+        "sparseflow._train_command",
+    ),
+    "convert-checkpoint": _Command(
+        "rewrite a run's newest checkpoint for the mesh of its config (another device count "
+        "or partitions per device), without training",
+        "sparseflow convert-checkpoint --config demo --devices 4 --checkpoint-dir ckpt --out ckpt4",
+        "sparseflow._convert_checkpoint",
+    ),
+}
 
 
 def load_cli_config(config: str | os.PathLike, devices: int | None = None) -> RunConfig:
@@ -85,22 +117,12 @@ def load_cli_config(config: str | os.PathLike, devices: int | None = None) -> Ru
     return CommandConfig(config, devices).load()
 
 
-_RECORD_FORMATS = ("arrayrecord", "tfrecord")
+def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser of `argv`: every command listed, the one `argv` names with its arguments.
 
-
-def _formats(text: str) -> tuple[str, ...]:
-    """An argparse type: comma-separated record formats, each known and named once."""
-    formats = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = sorted(set(formats) - set(_RECORD_FORMATS))
-    if unknown or not formats or len(set(formats)) != len(formats):
-        raise argparse.ArgumentTypeError(
-            f"must name each of {', '.join(_RECORD_FORMATS)} at most once, and at least one; "
-            f"got {text!r}"
-        )
-    return formats
-
-
-def _parser() -> argparse.ArgumentParser:
+    The command is the first argument that is not an option (the top-level
+    options take no values).
+    """
     parser = argparse.ArgumentParser(
         prog="sparseflow",
         description="Input pipelines and sharded-embedding training for recommenders.",
@@ -108,156 +130,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    make = subcommand(
-        commands,
-        "make-data",
-        "write a synthetic dataset for a config's features",
-        "sparseflow make-data --config demo --examples 10000 --out /tmp/data",
-    )
-    make.add_argument(
-        "--config",
-        type=Path,
-        required=True,
-        help="the run's YAML config, or a shipped config's name (demo, benchmark, criteo)",
-    )
-    make.add_argument(
-        "--out", type=Path, help="output directory (default: the config's dataset.dir)"
-    )
-    make.add_argument(
-        "--examples", type=positive_int, help="examples (default: the config's synthetic.examples)"
-    )
-    make.add_argument("--seed", type=non_negative_int, help="seed (default: the config's seed)")
-    make.add_argument(
-        "--shards", type=positive_int, help="files per format (default: synthetic.shards)"
-    )
-    make.add_argument(
-        "--formats",
-        type=_formats,
-        default=_RECORD_FORMATS,
-        help="comma-separated record formats (default: arrayrecord,tfrecord)",
-    )
-    make.set_defaults(run=_make_data)
-
-    demo = subcommand(
-        commands,
-        "demo",
-        "the whole job on a config's synthetic data: make it if missing, run the "
-        "FDO job, train pipelined, evaluate AUC on the held-out split",
-        "sparseflow demo",
-    )
-    demo.add_argument("--config", default=DEFAULT_CONFIG, help=_DEFAULT_CONFIG_HELP)
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_devices_argument(demo)
-    add_compilation_cache_argument(demo)
-    demo.set_defaults(run=_run_demo)
-
-    stats = subcommand(
-        commands,
-        "stats",
-        "make the config's dataset if missing, then parse and preprocess it, "
-        "and summarize every table",
-        "sparseflow stats --config demo --batches 20",
-    )
-    stats.add_argument("--config", default=DEFAULT_CONFIG, help=_DEFAULT_CONFIG_HELP)
-    stats.add_argument(
-        "--batches", type=positive_int, help="stop after N global batches (default: one pass)"
-    )
-    add_devices_argument(stats)
-    stats.set_defaults(run=_run_stats)
-
-    fdo = subcommand(
-        commands,
-        "fdo",
-        "compute a dataset's FDO stats (limits, buffer sizes) with Apache Beam",
-        "sparseflow fdo --config demo --runner dask --dask-workers 2 --plot fdo.png",
-    )
-    _fdo_command.add_arguments(fdo)
-    fdo.set_defaults(run=_fdo_command.run)
-
-    import_ = subcommand(
-        commands,
-        "import",
-        "turn CSV/TSV or Parquet files into sharded records of tf.train.Examples with Apache Beam",
-        "sparseflow import --format criteo --input day_0.tsv --out data/criteo --shards 64",
-    )
-    _import_command.add_arguments(import_)
-    # The import needs no run config; the default keeps `main` unchanged.
-    import_.set_defaults(run=_import_command.run, config=DEFAULT_CONFIG)
-
-    train = subcommand(
-        commands,
-        "train",
-        "train the recommender on a dataset, streaming batches through Grain",
-        "sparseflow train --config demo --fdo runs/demo/data/fdo --checkpoint-dir ckpt --resume",
-    )
-    _train_command.add_arguments(train)
-    train.set_defaults(run=_train_command.run)
-
-    convert = subcommand(
-        commands,
-        "convert-checkpoint",
-        "rewrite a run's newest checkpoint for the mesh of its config (another device count "
-        "or partitions per device), without training",
-        "sparseflow convert-checkpoint --config demo --devices 4 --checkpoint-dir ckpt --out ckpt4",
-    )
-    _convert_checkpoint.add_arguments(convert)
-    convert.set_defaults(run=_convert_checkpoint.run)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, command in _COMMANDS.items():
+        sub = subcommand(commands, name, command.summary, command.example)
+        if name == chosen:
+            module = importlib.import_module(command.module)
+            module.add_arguments(sub)
+            sub.set_defaults(run=module.run)
     return parser
-
-
-def _make_data(args: argparse.Namespace, command_config: CommandConfig) -> None:
-    config = command_config.load()
-    described = _stats_report.synthetic(config, "make-data")
-    out = args.out or config.dataset.dir
-    examples = args.examples or described.examples
-    shards = args.shards or described.shards
-    if shards > examples:
-        raise UsageError(
-            f"{shards} shards cannot each hold one of {examples} examples; lower --shards "
-            "(or synthetic.shards) or raise --examples."
-        )
-    files = pipelines.write_synthetic_dataset(
-        described.dataset,
-        out,
-        num_examples=examples,
-        seed=config.seed if args.seed is None else args.seed,
-        num_shards=shards,
-        formats=args.formats,
-    )
-    print(f"Wrote {examples:,} synthetic examples to {out}:")
-    for fmt, paths in files.items():
-        print(f"  {fmt}: {len(paths)} files ({Path(paths[0]).parent})")
-
-
-def _run_demo(args: argparse.Namespace, command_config: CommandConfig) -> None:
-    if command_config.requested_devices is not None:
-        _launch.use_cpu_devices(command_config.requested_devices)
-    print(_demo.run(command_config.load(), progress=not args.no_progress))
-
-
-def _run_stats(args: argparse.Namespace, command_config: CommandConfig) -> None:
-    config = command_config.load()
-    if not _stats_report.dataset_exists(config):
-        print(
-            f"Writing the synthetic dataset "
-            f"({_stats_report.synthetic(config, 'stats').examples:,} examples) "
-            f"to {config.dataset.dir} ..."
-        )
-        _stats_report.make_dataset(config)
-    result = _stats_report.run_stats(config, max_batches=args.batches)
-    print(
-        f"{config.name}: {devices_noun(config.mesh.devices)} x "
-        f"{config.mesh.partitions_per_device} partitions, global batch "
-        f"{config.global_batch_size}"
-    )
-    print(_stats_report.format_report(result))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 on a user error, 1 on a bug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = _parser(argv).parse_args(argv)
     args.argv = argv
     _logging.configure(verbose=args.verbose)
     try:

@@ -27,7 +27,7 @@ import tqdm
 
 import beam_jobs
 import pipelines
-from sparseflow._arguments import positive_int
+from sparseflow._arguments import DEFAULT_CONFIG, positive_int
 from sparseflow._errors import UsageError
 from sparseflow._runner_options import add_runner_arguments, dask_address, pipeline_args
 
@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_runner_arguments(parser)
+    # The import needs no run config; the default keeps the dispatch in `_cli.main` unchanged.
+    parser.set_defaults(config=DEFAULT_CONFIG)
 
 
 def input_files(entries: list[str]) -> list[str]:

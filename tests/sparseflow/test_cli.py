@@ -1,6 +1,8 @@
 """The `sparseflow` command line: make-data, stats, and one-line user errors."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -232,7 +234,7 @@ def test_the_default_config_is_the_shipped_demo_with_data_in_the_working_directo
     command, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    config = _cli.load_cli_config(_cli._parser().parse_args([command]).config)
+    config = _cli.load_cli_config(_cli._parser([command]).parse_args([command]).config)
     assert config.source_path == shipped_config("demo")
     assert config.dataset.dir == tmp_path / "runs" / "demo" / "data"
 
@@ -304,11 +306,11 @@ def test_a_corrupt_fdo_stats_file_is_a_user_error(tmp_path, capsys, text, messag
     "argv", [["-v", "stats"], ["stats", "-v"], ["stats", "--verbose", "--batches", "2"]]
 )
 def test_verbose_is_accepted_before_and_after_the_subcommand(argv):
-    assert _cli._parser().parse_args(argv).verbose is True
+    assert _cli._parser(argv).parse_args(argv).verbose is True
 
 
 def test_quiet_by_default_before_and_after_the_subcommand():
-    assert _cli._parser().parse_args(["stats"]).verbose is False
+    assert _cli._parser(["stats"]).parse_args(["stats"]).verbose is False
 
 
 @pytest.mark.parametrize(
@@ -316,7 +318,7 @@ def test_quiet_by_default_before_and_after_the_subcommand():
 )
 def test_every_subcommand_helps_with_a_description_and_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_:
-        _cli._parser().parse_args([command, "--help"])
+        _cli._parser([command, "--help"]).parse_args([command, "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert f"example:\n  sparseflow {command}" in text
@@ -324,9 +326,31 @@ def test_every_subcommand_helps_with_a_description_and_an_example(command, capsy
     assert description.endswith(".") and "\n" not in description.strip()[:20]
 
 
+def test_the_top_level_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli._parser(["--help"]).parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for command in ["make-data", "demo", "stats", "fdo", "import", "train", "convert-checkpoint"]:
+        assert f"    {command}" in text
+
+
+@pytest.mark.parametrize(("command", "loads_beam"), [("train", False), ("fdo", True)])
+def test_only_the_chosen_subcommand_is_imported(command, loads_beam):
+    # A fresh interpreter: this one has imported Beam for other tests.
+    probe = (
+        "import sys\n"
+        "from sparseflow import _cli\n"
+        f"_cli._parser({[command]!r})\n"
+        "print('apache_beam' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == str(loads_beam)
+
+
 def test_the_crash_hook_is_hidden_from_help(capsys):
     with pytest.raises(SystemExit):
-        _cli._parser().parse_args(["train", "--help"])
+        _cli._parser(["train", "--help"]).parse_args(["train", "--help"])
     assert "--stop-after" not in capsys.readouterr().out
 
 
@@ -345,7 +369,7 @@ def test_the_crash_hook_is_hidden_from_help(capsys):
 )
 def test_flags_are_validated(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        _cli._parser().parse_args(argv)
+        _cli._parser(argv).parse_args(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
