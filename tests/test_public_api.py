@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-PACKAGES = ["embedding", "pipelines", "parallel", "beam_jobs", "sparseflow"]
+PACKAGES = ["embedding", "embedding.nnx", "pipelines", "parallel", "beam_jobs", "sparseflow"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
