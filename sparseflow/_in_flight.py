@@ -63,6 +63,7 @@ def relaid_pipeline_state(
     *,
     calls: int,
     next_batch: int,
+    first_batch: int = 0,
     batch: Callable[[int], pipelines.DeviceBatch],
     stages: Stages,
 ) -> parallel.PipelineState:
@@ -74,16 +75,19 @@ def relaid_pipeline_state(
       fresh: this run's initial state (`parallel.get_initial_state`), whose
         shapes and placement the result has.
       tables: the tables, laid out for this mesh.
-      calls: pipeline calls done when the checkpoint was written.
+      calls: pipeline calls of its segment done when the checkpoint was
+        written (call `c` of a segment feeds batch `first_batch + c`).
       next_batch: the first batch the loop had not taken then; batches from
         it on were a draining call's zeros.
+      first_batch: the segment's first batch; the ones before it were all
+        applied before the segment began.
       batch: reads a global batch, laid out for this mesh.
       stages: this run's stages (the lookup finds a batch's index).
     """
     lookup_index = jax.jit(lambda sparse, variables: stages.sc_fwd(sparse, variables)[1])
 
     def laid_out(number: int):
-        if not 0 <= number < next_batch:
+        if not first_batch <= number < next_batch:
             return None
         sparse = batch(number).sparse
         return sparse, lookup_index(sparse, tables)
@@ -92,13 +96,13 @@ def relaid_pipeline_state(
         embedding_activations=saved.last_step_inputs.embedding_activations,
         dense_inputs=saved.last_step_inputs.dense_inputs,
     )
-    found = laid_out(calls - 1)
+    found = laid_out(first_batch + calls - 1)
     if found is not None:
         last = last._replace(sparse_inputs=found[0], sc_fwd_aux=found[1])
     before = fresh.step_before_last_step_inputs._replace(
         embedding_gradients=saved.step_before_last_step_inputs.embedding_gradients
     )
-    found = laid_out(calls - 2)
+    found = laid_out(first_batch + calls - 2)
     if found is not None:
         # The TC aux is (the batch's dense step, its lookup index), `Stages.tc_per_feature`.
         step, _ = saved.step_before_last_step_inputs.tc_aux

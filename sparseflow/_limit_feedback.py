@@ -122,8 +122,8 @@ class FeedbackIterator:
       on_new_specs: called with new specs before the batches continue under them.
       geometry: the batch geometry.
       headroom: factor over what a breaching batch needs.
-      can_continue: whether the run can take new limits mid-run (sequential,
-        one process); else a breach is recorded and raised.
+      can_continue: whether the run can take new limits mid-run (one
+        process); else a breach is recorded and raised.
       record: the FDO stats path to record raises next to, and the run's
         layout; None to only log them.
     """
@@ -212,7 +212,7 @@ class FeedbackIterator:
         if not self._can_continue:
             error.add_note(
                 f"The limits this batch needs were recorded in {recorded}: {shown}. A "
-                "pipelined or multi-process run cannot change its limits "
+                "run of several processes cannot change its limits "
                 "mid-run; run again with --fdo to start from them (into a new checkpoint "
                 "folder: --resume keeps the limits of the checkpoint)."
             )

@@ -279,6 +279,32 @@ def _dense_inputs(batch: pipelines.DeviceBatch) -> DenseInputs:
     return DenseInputs(batch.dense, batch.labels)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """One fill and drain of the pipeline: batches `first_batch..n-1`, in
+    `n - first_batch + 2` calls from call `first_call` on.
+
+    A run has one, from 0. A run resumed for more batches from a drained
+    pipeline (the end of a shorter run) starts another: a drained state holds
+    no batch in flight, as an initial one, and calls numbered on from the old
+    segment would run the dense step on its zeros. A sequential run is one
+    segment of one call per batch.
+    """
+
+    first_batch: int = 0
+    first_call: int = 0
+
+    def end(self, n: int, pipelined: bool) -> int:
+        """The call after the last one, for `n` batches in all."""
+        batches = n - self.first_batch
+        fill_and_drain = 2 if pipelined and batches > 0 else 0
+        return self.first_call + max(batches, 0) + fill_and_drain
+
+    def feeds(self, call: int, n: int) -> bool:
+        """Whether `call` takes a batch (the ones after drain the pipeline)."""
+        return call - self.first_call < n - self.first_batch
+
+
 class _Run:
     """The mutable state of one training loop."""
 
@@ -300,6 +326,8 @@ class _Run:
         )
         self.state = replicate(dense_state(config, self.specs, key_dense), mesh)
         self.pipeline_state = None
+        self.segment = _Segment()
+        self.next_call: int | None = None  # in the loop: the call its next batch is for
         self.losses: list[float] = []
         self.window = collections.deque(maxlen=max(config.training.log_every, 1))
 
@@ -313,6 +341,7 @@ class _Run:
             enable_minibatching=self.config.preprocessing.enable_minibatching,
             pipeshard=self.config.model.pipeshard,
         )
+        self.pipelined_step = _pipelined_step(self.stages) if self.pipelined else None
 
     def arrays(self) -> dict[str, Any]:
         arrays = {"state": self.state, "tables": self.tables}
@@ -431,9 +460,12 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
                 run.set_arrays(snapshot.arrays)
                 run.losses = list(snapshot.metadata["losses"])
                 start, pending = snapshot.step, None
+                run.segment = _Segment(*snapshot.metadata.get("pipeline_segment", (0, 0)))
                 batches.use_specs(_checkpoint_specs(run, snapshot.metadata))
                 batches.set_state(snapshot.iterator_state)
                 _log.info("Resumed from the checkpoint at step %d.", start)
+                if run.pipelined:
+                    start = _new_segment_after_drain(run, n, start, snapshot.iterator_state)
         clock = _loop(run, batches, n, start, pending, checkpoints, metrics)
     eval_auc = None
     if options.eval_data is not None:
@@ -485,12 +517,31 @@ def _training_batches(run: _Run) -> _limit_feedback.FeedbackIterator:
         batch_stats=lambda specs, batch: pipelines.batch_layout_stats(
             options.data, batching, _preprocess_config(config, options, specs, mesh), batch
         ),
-        on_new_specs=run.use_specs,
+        on_new_specs=lambda specs: _take_raised_limits(run, specs),
         geometry=fdo_geometry(config),
         headroom=config.training.fdo_headroom,
-        can_continue=not run.pipelined and jax.process_count() == 1,
+        can_continue=jax.process_count() == 1,
         record=None if options.fdo_dir is None else (options.fdo_dir, config.fdo_layout),
     )
+
+
+def _new_segment_after_drain(run: _Run, n: int, calls: int, iterator_state: bytes) -> int:
+    """Starts a new segment where a checkpoint's drained pipeline is resumed for more batches.
+
+    Returns the call to go on from. A checkpoint between the two draining
+    calls gets the second one first, which applies the last batch's update.
+    """
+    fed = _in_flight.next_batch(iterator_state)
+    segment = run.segment
+    drained = (calls - segment.first_call) - (fed - segment.first_batch)
+    if drained == 0 or n <= fed:
+        return calls
+    if drained == 1:
+        _pipelined_call(run, calls - segment.first_call, fed - segment.first_batch, None)
+        calls += 1
+    run.segment = _Segment(first_batch=fed, first_call=calls)
+    _log.info("The checkpoint's pipeline was drained; batches %d on fill a new one.", fed)
+    return calls
 
 
 def _checkpoint_specs(run: _Run, metadata: dict | None):
@@ -513,26 +564,58 @@ def _checkpoints(run: _Run) -> Checkpoints:
 
 def _other_mesh(run: _Run) -> _mesh_change.OtherMesh:
     """Reads checkpoints of this run written on another mesh, laying them out for this one."""
-    config, options, mesh = run.config, run.options, run.mesh
+    config, mesh = run.config, run.mesh
     in_flight = None
     if run.pipelined:
-        fresh, batching = run.pipeline_state, _batching(config, training=True)
+        fresh = run.pipeline_state
 
         def in_flight(saved, tables, snapshot: Snapshot):
-            preprocess = _preprocess_config(config, options, run.specs, mesh)
-            return _in_flight.relaid_pipeline_state(
-                saved,
-                fresh,
-                tables,
-                calls=snapshot.step,
-                next_batch=_in_flight.next_batch(snapshot.iterator_state),
-                batch=lambda number: _in_flight.read_batch(
-                    options.data, batching, preprocess, mesh, number
-                ),
-                stages=run.stages,
-            )
+            segment = _Segment(*snapshot.metadata.get("pipeline_segment", (0, 0)))
+            next_batch = _in_flight.next_batch(snapshot.iterator_state)
+            return _relaid_in_flight(run, saved, fresh, tables, segment, snapshot.step, next_batch)
 
     return _mesh_change.OtherMesh(config, mesh, lambda c: _identity(run, c), in_flight)
+
+
+def _relaid_in_flight(
+    run: _Run, saved, fresh, tables, segment: _Segment, calls: int, next_batch: int
+) -> parallel.PipelineState:
+    """`saved`, the state after `calls` calls, with its batches in flight read again and
+    laid out under this run's specs and mesh (`_in_flight.relaid_pipeline_state`)."""
+    preprocess = _preprocess_config(run.config, run.options, run.specs, run.mesh)
+    batching = _batching(run.config, training=True)
+    return _in_flight.relaid_pipeline_state(
+        saved,
+        fresh,
+        tables,
+        calls=calls - segment.first_call,
+        first_batch=segment.first_batch,
+        next_batch=next_batch,
+        batch=lambda number: _in_flight.read_batch(
+            run.options.data, batching, preprocess, run.mesh, number
+        ),
+        stages=run.stages,
+    )
+
+
+def _take_raised_limits(run: _Run, specs) -> None:
+    """Lays batches out under `specs` (raised limits) from now on, and, in a
+    pipelined loop, the batches in flight too, so that the next call goes on
+    as a run started under `specs` would."""
+    in_flight, calls = run.pipeline_state, run.next_call
+    run.use_specs(specs)
+    if in_flight is None or calls is None:
+        return
+    segment = run.segment
+    next_batch = segment.first_batch + calls - segment.first_call
+    preprocess = _preprocess_config(run.config, run.options, run.specs, run.mesh)
+    shaped = _in_flight.read_batch(
+        run.options.data, _batching(run.config, training=True), preprocess, run.mesh, next_batch
+    )
+    fresh = _initial_pipeline_state(run, shaped)
+    run.pipeline_state = _relaid_in_flight(
+        run, in_flight, fresh, run.tables, segment, calls, next_batch
+    )
 
 
 @dataclasses.dataclass
@@ -576,20 +659,21 @@ class _Clock:
 def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics) -> _Clock:
     """Runs calls `start..` to the end; returns where their time went."""
     with _setup_objects_frozen():
-        total = parallel.get_pipeline_train_steps(n) if run.pipelined else n
+        total = run.segment.end(n, run.pipelined)
         every = run.config.training.checkpoint_every
-        pipelined_step = _pipelined_step(run.stages)
         progress = Progress(total=n, initial=min(start, n), enabled=run.options.progress)
         began = time.perf_counter()
         clock, logged = _Clock(began=began, window_start=began), len(run.losses)
         for t in range(start, total):
             batch = None
             waiting = time.perf_counter()
-            if t < n:
+            run.next_call = t
+            if run.segment.feeds(t, n):
                 batch, pending = pending or next(batches), None
             called = time.perf_counter()
             if run.pipelined:
-                _pipelined_call(run, pipelined_step, t, n, batch)
+                segment = run.segment
+                _pipelined_call(run, t - segment.first_call, n - segment.first_batch, batch)
             else:
                 run.state, run.tables, output = run.stages.sequential_step(
                     run.state, run.tables, batch.sparse, _dense_inputs(batch)
@@ -635,13 +719,14 @@ def _pipelined_step(stages: Stages):
     return parallel.host_driven_step(stages.sc_fwd, stages.pipeshard_tc, stages.sc_bwd)
 
 
-def _pipelined_call(run: _Run, pipelined_step, t: int, n: int, batch) -> None:
+def _pipelined_call(run: _Run, t: int, n: int, batch) -> None:
+    """Call `t` of the segment of `n` batches (`batch` None: a draining call)."""
     if batch is not None:
         pipeline_input = parallel.CurrentStepInput(batch.sparse, _dense_inputs(batch))
     else:
         pipeline_input = _dummy_input(run.pipeline_state)
     valid = parallel.is_output_valid(t, n)
-    output, _, run.state, run.tables, run.pipeline_state = pipelined_step(
+    output, _, run.state, run.tables, run.pipeline_state = run.pipelined_step(
         pipeline_input, run.state, run.tables, run.pipeline_state, fake_tc_step=not valid
     )
     jax.block_until_ready((run.state, run.tables, run.pipeline_state))
@@ -709,6 +794,7 @@ def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
                 "losses": run.losses,
                 "config_hash": run.config.config_hash,
                 "limits": _limit_feedback.limits_metadata(run.specs),
+                "pipeline_segment": dataclasses.astuple(run.segment),
             },
         )
     )

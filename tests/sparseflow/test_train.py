@@ -14,7 +14,7 @@ from train_cases import cli as _cli
 from train_cases import small_demo_config
 
 import pipelines
-from sparseflow import _train, load_config
+from sparseflow import _in_flight, _train, load_config
 from sparseflow._errors import UsageError
 
 
@@ -68,6 +68,68 @@ def test_resume_after_a_crash_is_exact(small_run):
     assert len(resumed.losses) == 8
     for a, b in zip(_leaves(resumed), _leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _loss_of_batch(config, result: _train.TrainResult, data: str, number: int) -> float:
+    """Float64 sigmoid cross-entropy of global batch `number` under `result`'s parameters."""
+    options = _train.TrainOptions(data=data, progress=False)
+    mesh = _train.make_mesh(config.mesh.devices)
+    specs = _train._feature_specs(config, options, mesh)
+    stages = _train._Run(config, options, mesh).stages
+    batch = _in_flight.read_batch(
+        data,
+        _train._batching(config, training=True),
+        _train._preprocess_config(config, options, specs, mesh),
+        mesh,
+        number,
+    )
+    logits = stages.eval_logits(
+        result.train_state.params,
+        result.embedding_variables,
+        batch.sparse,
+        _train._dense_inputs(batch),
+    )
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(batch.labels, np.float64)
+    return float(np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))))
+
+
+def _assert_trained_on_after(first: _train.TrainResult, longer: _train.TrainResult, config, data):
+    """`longer` continues `first` (pipelined, drained) with each later batch trained once."""
+    n = len(first.losses)
+    assert longer.losses[:n] == first.losses
+    assert len(longer.losses) == longer.steps
+    assert int(longer.train_state.step) == longer.steps  # one dense update per batch
+    # The drained pipeline applied every update of the first run's batches, so
+    # the next batch is looked up and scored on the state that run ended with.
+    np.testing.assert_allclose(longer.losses[n], _loss_of_batch(config, first, data, n), rtol=1e-5)
+
+
+def test_a_finished_pipelined_run_resumed_for_more_steps_trains_each_new_batch_once(small_run):
+    tmp, _, config, data = small_run
+    options = dict(data=data, progress=False, pipelined=True, checkpoint_dir=tmp / "longer")
+    first = _train.train(config, _train.TrainOptions(**options, steps=4))
+    longer = _train.train(config, _train.TrainOptions(**options, steps=6, resume=True))
+    _assert_trained_on_after(first, longer, config, data)
+
+
+def test_a_run_stopped_between_its_draining_calls_resumes_for_more_steps(small_run):
+    tmp, path, config, data = small_run
+    checkpoints = tmp / "between-draining-calls"
+    # 3 batches take calls 0-4; the checkpoint of call 4 (every 2) has one draining call left.
+    stopped = _cli(
+        "train", "--config", str(path), "--data", data, "--steps", "3", "--no-progress",
+        "--checkpoint-dir", str(checkpoints), "--stop-after", "4",
+    )  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    first = _train.train(config, _train.TrainOptions(data=data, steps=3, progress=False))
+    longer = _train.train(
+        config,
+        _train.TrainOptions(
+            data=data, steps=5, progress=False, checkpoint_dir=checkpoints, resume=True
+        ),
+    )
+    _assert_trained_on_after(first, longer, config, data)
 
 
 def test_damaged_checkpoint_falls_back_to_the_previous_one(small_run, caplog):
