@@ -92,6 +92,10 @@ class CheckpointError(RuntimeError):
     """No checkpoint in the directory could be restored, or the processes disagree on them."""
 
 
+class CheckpointSaveError(SparseflowError, OSError):
+    """A checkpoint could not be written (e.g. the disk is full); the earlier ones are whole."""
+
+
 class CheckpointMismatchError(SparseflowError, ValueError):
     """The checkpoint was written by another run, or holds other arrays than this run's."""
 
@@ -168,6 +172,11 @@ class Checkpoints:
 
         A step already there (one a resumed run fell back past, as damaged)
         is set aside, and deleted only once its replacement is complete.
+
+        Raises:
+          CheckpointSaveError: the write failed (a full disk, a lost mount):
+            what it wrote is removed, a step set aside is put back, and the
+            message names the folder and the steps still there.
         """
         if self._read_only:
             raise ValueError(f"The checkpoints in {self._directory} were opened read-only.")
@@ -181,18 +190,47 @@ class Checkpoints:
         set_aside = None
         if snapshot.step in self._manager.all_steps():
             set_aside = self._set_aside(snapshot.step)
-        self._manager.save(
-            snapshot.step,
-            args=ocp.args.Composite(
-                arrays=ocp.args.StandardSave(snapshot.arrays),
-                metadata=ocp.args.JsonSave(metadata),
-                input=grain.checkpoint.CheckpointSave(_Position(snapshot.iterator_state)),
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        try:
+            self._manager.save(
+                snapshot.step,
+                args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(snapshot.arrays),
+                    metadata=ocp.args.JsonSave(metadata),
+                    input=grain.checkpoint.CheckpointSave(_Position(snapshot.iterator_state)),
+                ),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+        except (OSError, ValueError, RuntimeError) as error:
+            failure = self._failed_save(snapshot.step, set_aside, error)
+            # Orbax's writer threads left running would print tracebacks at exit.
+            self.close()
+            raise failure from error
         if set_aside is not None and jax.process_index() == 0:
             shutil.rmtree(set_aside)
+
+    def _failed_save(self, step: int, set_aside: Path | None, error: Exception):
+        """Undoes what a failed save of `step` left, and says what is still there."""
+        if jax.process_index() == 0:
+            # What the save wrote is its own to delete: it may be what filled the disk.
+            for entry in self._directory.iterdir():
+                if _TEMPORARY.match(entry.name) and entry.name.startswith(f"{step}."):
+                    shutil.rmtree(entry, ignore_errors=True)
+            if set_aside is not None:
+                os.rename(set_aside, self._directory / str(step))
+        self._manager.reload()
+        kept = self.steps()
+        there = (
+            f"the checkpoints of steps {', '.join(map(str, kept))} are whole; after fixing "
+            f"the cause, --resume goes on from step {kept[-1]}"
+            if kept
+            else "no earlier checkpoint is there"
+        )
+        return CheckpointSaveError(
+            f"Writing the checkpoint of step {step} into {self._directory} failed "
+            f"({type(error).__name__}: {error}); training stopped. What it wrote was removed "
+            f"and {there}."
+        )
 
     def _set_aside(self, step: int) -> Path:
         set_aside = self._directory / f"{step}.replaced"

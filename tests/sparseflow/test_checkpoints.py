@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import portpicker
@@ -163,6 +166,52 @@ def test_training_refuses_a_folder_of_earlier_checkpoints_without_resume(small_r
     with pytest.raises(ValueError, match=r"is not empty \(2\).*Pass --resume to continue"):
         _train.train(config, _train_options(data, checkpoints))
     assert {p.name: p.stat().st_mtime_ns for p in checkpoints.rglob("*")} == before
+
+
+def _files_up_to(limit: int):
+    """For a child process: a write past `limit` bytes of a file fails (EFBIG), as
+    on a full disk, instead of killing the process (SIGXFSZ)."""
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_save_that_fails_halfway_keeps_the_earlier_checkpoints_and_resume_goes_on(small_run):
+    tmp, path, config, data = small_run
+    checkpoints = tmp / "full_disk"
+    argv = ["train", "--config", str(path), "--data", data, "--no-pipelined", "--no-progress"]
+    argv += ["--checkpoint-dir", str(checkpoints)]
+    first = cli(*argv, "--steps", "4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _files(checkpoints)
+    limit = 1 << 20
+    assert max(len(content) for content in before.values()) > 2 * limit, "no case"
+
+    full = cli(*argv, "--steps", "6", "--resume", preexec_fn=_files_up_to(limit))
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert f"error: Writing the checkpoint of step 6 into {checkpoints} failed" in full.stderr
+    assert "the checkpoints of steps 2, 4 are whole" in full.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4"]  # nothing of step 6
+    assert _files(checkpoints) == before
+
+    resumed = _train.train(config, _train_options(data, checkpoints, steps=6, resume=True))
+    uninterrupted = _train.train(
+        config, _train.TrainOptions(data=data, steps=6, progress=False, pipelined=False)
+    )
+    assert resumed.losses == uninterrupted.losses
+    for a, b in zip(
+        jax.tree.leaves((resumed.train_state, resumed.embedding_variables)),
+        jax.tree.leaves((uninterrupted.train_state, uninterrupted.embedding_variables)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _other_config(tmp: Path, config_path: Path):

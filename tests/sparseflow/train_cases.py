@@ -45,11 +45,12 @@ def write_data(config, out: Path, *, examples: int = EXAMPLES, seed: int | None 
     return str(out / "arrayrecord")
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 600, preexec_fn=None) -> subprocess.CompletedProcess:
     """`python -m sparseflow ARGS` from the repository, its output captured.
 
     It runs in a session of its own: on a timeout its local processes are
-    killed with it, not left running.
+    killed with it, not left running. `preexec_fn` runs in the child before
+    the interpreter starts (e.g. to set a resource limit).
     """
     process = subprocess.Popen(
         [sys.executable, "-m", "sparseflow", *args],
@@ -58,6 +59,7 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         text=True,
         cwd=REPO,
         start_new_session=True,
+        preexec_fn=preexec_fn,
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
