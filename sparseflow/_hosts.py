@@ -22,6 +22,11 @@ def all_true(flag: bool) -> bool:
     return bool(np.all(flags))
 
 
+def gathered(values: np.ndarray) -> np.ndarray:
+    """`int32[processes, k]`: every process's `int32[k]` `values`, in process order."""
+    return np.asarray(multihost_utils.process_allgather(values)).reshape(jax.process_count(), -1)
+
+
 def same_everywhere(value: Any) -> bool:
     """Whether every process holds this JSON-able `value`."""
     if jax.process_count() == 1:

@@ -15,9 +15,13 @@ recompiled once; the raise is logged and recorded next to the stats, for the
 next run. Checkpoints record the limits in effect (`limits_metadata`), so a
 resumed run lays its batches out as the run that wrote them did.
 
-A pipelined run (its in-flight batches are laid out under the old limits)
-and a run of several processes (the other hosts would have to agree on the
-raise before the step) record the raise and stop with the error.
+In a run of several processes each host lays out its own rows of a batch,
+so one may breach where the others do not: after every batch the hosts tell
+each other whether theirs breached (`agree`); if one did, each counts its
+rows of that batch and they take the larger of every limit over the hosts,
+so all of them lay the batch out again under the same limits and recompile
+the same step. The caller lays out a pipelined run's batches in flight again
+(`on_new_specs`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import embedding
 import pipelines
@@ -122,10 +128,13 @@ class FeedbackIterator:
       on_new_specs: called with new specs before the batches continue under them.
       geometry: the batch geometry.
       headroom: factor over what a breaching batch needs.
-      can_continue: whether the run can take new limits mid-run (one
-        process); else a breach is recorded and raised.
       record: the FDO stats path to record raises next to, and the run's
         layout; None to only log them.
+      agree: in a run of several processes, gathers every process's
+        `int32[k]` vector (`int32[processes, k]`), called by all of them
+        after each batch; None in a run of one.
+      position: the batch about to be drawn, from an iterator state
+        (`get_state`); needed with `agree`.
     """
 
     def __init__(
@@ -137,16 +146,18 @@ class FeedbackIterator:
         on_new_specs: Callable[[Any], None],
         geometry: embedding.FdoGeometry,
         headroom: float,
-        can_continue: bool,
         record: tuple[Path, embedding.FdoLayout] | None,
+        agree: Callable[[np.ndarray], np.ndarray] | None = None,
+        position: Callable[[bytes], int] | None = None,
     ):
         self._make = make
         self._batch_stats = batch_stats
         self._on_new_specs = on_new_specs
         self._geometry = geometry
         self._headroom = headroom
-        self._can_continue = can_continue
         self._record = record
+        self._agree = agree
+        self._position = position
         self.specs = specs
         self._batches = make(specs)
 
@@ -158,12 +169,46 @@ class FeedbackIterator:
         return self
 
     def __next__(self) -> pipelines.DeviceBatch:
+        if self._agree is not None:
+            return self._next_agreed()
         try:
             return next(self._batches)
         except embedding.LimitBreachError as error:
             if error.batch_number is None:
                 raise
-            self._raise_limits(error)
+            needed, wanted = self._limits_for(error.batch_number)
+            self._raise_limits(error.batch_number, needed, wanted, error)
+        return next(self._batches)
+
+    def _next_agreed(self) -> pipelines.DeviceBatch:
+        """The next batch, laid out under limits every host agrees on."""
+        before = self._batches.get_state()
+        number = self._position(before)
+        try:
+            batch, breach = next(self._batches), None
+        except embedding.LimitBreachError as error:
+            if error.batch_number is None:
+                raise
+            batch, breach = None, error
+        breached = np.flatnonzero(self._agree(np.array([breach is not None], np.int32)))
+        if not breached.size:
+            return batch
+        needed, wanted = self._limits_for(number)
+        names = sorted(needed)
+        mine = np.array([_encoded(needed[n]) + _encoded(wanted[n]) for n in names], np.int32)
+        every = self._agree(mine.reshape(-1)).reshape(-1, len(names), 6)
+        for host in every:
+            for name, row in zip(names, host, strict=True):
+                needed[name] = embedding.max_limits(needed[name], _decoded(row[:3]))
+                wanted[name] = embedding.max_limits(wanted[name], _decoded(row[3:]))
+        if breach is None:
+            # Another host breached: this one lays the batch out again too.
+            self._batches.set_state(before)
+            breach = embedding.LimitBreachError(
+                f"Another process's rows of global batch {number} breach the limits."
+            )
+        hosts = ", ".join(map(str, breached))
+        self._raise_limits(number, needed, wanted, breach, f" (the rows of process {hosts})")
         return next(self._batches)
 
     def get_state(self) -> bytes:
@@ -192,13 +237,18 @@ class FeedbackIterator:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _raise_limits(self, error: embedding.LimitBreachError) -> None:
-        batch = error.batch_number
-        if not self._can_continue and self._record is None:
-            raise error
+    def _limits_for(self, batch: int):
+        """`(needed, wanted)` limits by stack of this host's rows of `batch`: exactly, and
+        with headroom and spread margin."""
         stats = embedding.batch_fdo_stats(self._batch_stats(self.specs, batch), self._geometry)
         needed = embedding.fdo_limits(stats, headroom=1.0, spread_margin=0.0)
         wanted = embedding.fdo_limits(stats, headroom=self._headroom, spread_margin=SPREAD_MARGIN)
+        return needed, wanted
+
+    def _raise_limits(
+        self, batch: int, needed, wanted, error: embedding.LimitBreachError, where: str = ""
+    ) -> None:
+        """Lays batches out under `wanted` where `needed` breaches; else raises `error`."""
         current = embedding.stack_limits(self.specs)
         raised = {
             name: embedding.max_limits(current[name], wanted[name])
@@ -209,17 +259,10 @@ class FeedbackIterator:
             raise error
         shown = "; ".join(f"{name}: {current[name]} -> {limits}" for name, limits in raised.items())
         recorded = self._write_record(batch, raised)
-        if not self._can_continue:
-            error.add_note(
-                f"The limits this batch needs were recorded in {recorded}: {shown}. A "
-                "run of several processes cannot change its limits "
-                "mid-run; run again with --fdo to start from them (into a new checkpoint "
-                "folder: --resume keeps the limits of the checkpoint)."
-            )
-            raise error
         _log.warning(
-            "Global batch %d breaches the limits: %s; raised (recompiling the step)%s.",
+            "Global batch %d breaches the limits%s: %s; raised (recompiling the step)%s.",
             batch,
+            where,
             shown,
             f", recorded in {recorded}" if recorded else "",
         )
@@ -238,3 +281,21 @@ class FeedbackIterator:
             layout_key=layout.key, geometry=self._geometry, stacks=stacks, batches=batches
         )
         return embedding.write_limit_raises(fdo_dir, raises)
+
+
+def _encoded(limits: embedding.StackLimits) -> list[int]:
+    """`StackLimits` as 3 int32 (a buffer of None as -1), for `agree`."""
+    buffer = limits.suggested_coo_buffer_size_per_device
+    return [
+        limits.max_ids_per_partition,
+        limits.max_unique_ids_per_partition,
+        -1 if buffer is None else buffer,
+    ]
+
+
+def _decoded(row: np.ndarray) -> embedding.StackLimits:
+    return embedding.StackLimits(
+        max_ids_per_partition=int(row[0]),
+        max_unique_ids_per_partition=int(row[1]),
+        suggested_coo_buffer_size_per_device=None if row[2] < 0 else int(row[2]),
+    )

@@ -30,7 +30,14 @@ import embedding
 import parallel
 import pipelines
 from parallel import allreduce
-from sparseflow import _in_flight, _limit_feedback, _mesh_change, _model, _run_identity
+from sparseflow import (
+    _hosts,
+    _in_flight,
+    _limit_feedback,
+    _mesh_change,
+    _model,
+    _run_identity,
+)
 from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
@@ -520,8 +527,12 @@ def _training_batches(run: _Run) -> _limit_feedback.FeedbackIterator:
         on_new_specs=lambda specs: _take_raised_limits(run, specs),
         geometry=fdo_geometry(config),
         headroom=config.training.fdo_headroom,
-        can_continue=jax.process_count() == 1,
-        record=None if options.fdo_dir is None else (options.fdo_dir, config.fdo_layout),
+        # One process writes the raises: the hosts agree on them.
+        record=None
+        if options.fdo_dir is None or jax.process_index() != 0
+        else (options.fdo_dir, config.fdo_layout),
+        agree=_hosts.gathered if jax.process_count() > 1 else None,
+        position=_in_flight.next_batch,
     )
 
 

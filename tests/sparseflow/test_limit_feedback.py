@@ -154,6 +154,47 @@ def test_a_pipelined_run_raises_the_limit_and_goes_on_as_if_started_from_it(cens
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_processes_agree_on_a_raise_and_go_on_as_if_started_from_it(census):
+    tmp, path, _, _, _ = census
+    raw = yaml.safe_load(path.read_text())
+    raw["mesh"]["processes"] = 2
+    two = tmp / "census-two-processes.yaml"
+    two.write_text(yaml.safe_dump(raw))
+    config = load_config(two)
+    fdo_dir = tmp / "fdo-two-processes"
+    fdo_data = write_data(config, tmp / "fdo-data-two-processes", examples=EXAMPLES, seed=1)
+    beam_jobs.run_fdo_job(_fdo_command.job_config(config), fdo_data, str(fdo_dir))
+    # Data (of seed 6) whose batch 3 breaches on process 0's rows only, two batches in flight.
+    data = write_data(config, tmp / "late-two-processes", examples=EXAMPLES, seed=6)
+
+    def run(checkpoints: str) -> tuple[str, dict]:
+        done = _cli(
+            "train", "--config", str(two), "--data", data, "--fdo", str(fdo_dir),
+            "--num-processes", "2", "--pipelined", "--no-progress",
+            "--checkpoint-dir", str(tmp / checkpoints),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        saved = Checkpoints(tmp / checkpoints, run=None)
+        metadata = saved.newest_metadata()
+        saved.close()
+        return done.stderr, metadata
+
+    log, raised = run("two-processes-raised")
+    # Both processes raise at the batch, though only process 0's rows breach.
+    assert log.count("Global batch 3 breaches the limits (the rows of process 0)") == 2, log
+    geometry = embedding.FdoGeometry(
+        global_batch_size=config.global_batch_size, devices=8, partitions_per_device=2, processes=2
+    )
+    raises = embedding.load_limit_raises(fdo_dir, layout=config.fdo_layout, geometry=geometry)
+    assert raises.batches == (3,)
+    # The reference starts from the recorded raise: nothing breaches.
+    log, reference = run("two-processes-reference")
+    assert "breaches" not in log
+    assert raised["limits"] == reference["limits"]
+    assert len(raised["losses"]) == STEPS
+    np.testing.assert_allclose(raised["losses"], reference["losses"], rtol=1e-6)
+
+
 def _leaves(result: _train.TrainResult) -> list[np.ndarray]:
     return [
         np.asarray(x) for x in jax.tree.leaves((result.train_state, result.embedding_variables))
