@@ -207,8 +207,13 @@ def loss_fn(
 ) -> tuple[jax.Array, jax.Array]:
     """`(mean sigmoid cross-entropy, logits)` of a batch; `labels: int32[batch]`."""
     logits = forward(params, dense, activations)
-    loss = optax.sigmoid_binary_cross_entropy(logits, labels.astype(jnp.float32)).mean()
-    return loss, logits
+    return sigmoid_cross_entropy(logits, labels), logits
+
+
+def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """`float32[]`: the mean sigmoid cross-entropy of `logits: float32[batch]`
+    against `labels: int32[batch]` in {0, 1}."""
+    return optax.sigmoid_binary_cross_entropy(logits, labels.astype(jnp.float32)).mean()
 
 
 def dense_optimizer(config: ModelConfig) -> optax.GradientTransformation:

@@ -4,7 +4,15 @@ import importlib
 
 import pytest
 
-PACKAGES = ["embedding", "embedding.nnx", "pipelines", "parallel", "beam_jobs", "sparseflow"]
+PACKAGES = [
+    "embedding",
+    "embedding.nnx",
+    "pipelines",
+    "parallel",
+    "beam_jobs",
+    "sparseflow",
+    "sparseflow.towers",
+]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

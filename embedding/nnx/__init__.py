@@ -5,8 +5,12 @@
 it runs each table's sparse optimizer in the backward pass, whose
 "gradient" of a table is the updated table; `PartitionedOptimizer` writes
 those back and runs optax on every other parameter. `state_shardings` gives
-`nnx.jit` the state's shardings. docs/design.md section 5 ("The NNX layer")
-describes the design. This is the only part of sparseflow that imports flax.
+`nnx.jit` the state's shardings. `provided_activations` runs a model with
+activations computed elsewhere in place of its layers' lookups (the dense
+stage of a trainer that splits the model), and `embed_layers` finds a
+model's layers. docs/design.md section 5 ("The NNX layer") describes the
+design. With the NNX towers of `sparseflow.towers`, this is the only part of
+sparseflow that imports flax.
 
 A train step over all devices (a batch of 64 splits over up to 64):
 
@@ -50,8 +54,9 @@ A train step over all devices (a batch of 64 splits over up to 64):
 (1, True)
 """
 
-from embedding.nnx._layer import Embed
+from embedding.nnx._layer import Embed, embed_layers
 from embedding.nnx._optimizer import PartitionedOptimizer
+from embedding.nnx._provided import provided_activations
 from embedding.nnx._shardings import state_shardings
 from embedding.nnx._variables import EmbeddingParam, EmbeddingStep
 
@@ -60,5 +65,7 @@ __all__ = [
     "EmbeddingParam",
     "EmbeddingStep",
     "PartitionedOptimizer",
+    "embed_layers",
+    "provided_activations",
     "state_shardings",
 ]

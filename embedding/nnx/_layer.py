@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
 from embedding._variables import mesh_axis
+from embedding.nnx._context import given
 from embedding.nnx._input import check_input, on_mesh
 from embedding.nnx._lookup import LookupConfig, lookup
 from embedding.nnx._variables import EmbeddingParam, EmbeddingStep
@@ -30,7 +31,9 @@ class Embed(nnx.Module):
 
     Call the layer exactly once in a loss that is differentiated: two calls
     would add up two updated tables (see `PartitionedOptimizer`). Outside a
-    differentiated loss (evaluation), call it as often as needed.
+    differentiated loss (evaluation), call it as often as needed. Under
+    `provided_activations` the layer returns activations computed elsewhere
+    (a trainer's sparse stage) instead of looking up.
 
     Attributes:
       tables: `EmbeddingParam` `float32[stack_vocab_size, stack_embedding_dim]`
@@ -133,24 +136,35 @@ class Embed(nnx.Module):
             for name, table in self.tables.items()
         }
 
-    def __call__(self, preprocessed_input: embedding.PreprocessedInput) -> Any:
-        """Looks up one batch.
+    def __call__(self, preprocessed_input: embedding.PreprocessedInput | None) -> Any:
+        """Looks up one batch, or returns the activations given to this layer.
+
+        Under `provided_activations` that gives this layer activations, the
+        call returns them as they are: the tables are not read (the loss
+        does not depend on them) and the step is left alone.
 
         Args:
           preprocessed_input: from `embedding.preprocess_sparse_dense_matmul_input`
             with this layer's `feature_specs`, `global_device_count = mesh.size`,
             its `num_sc_per_device` and `enable_minibatching`: host numpy arrays
-            (this process's devices) or global arrays over the mesh.
+            (this process's devices) or global arrays over the mesh. With
+            given activations it is checked but not read, and may be None.
 
         Returns:
           The pytree of `feature_specs` (a dict by feature name for a dict of
           specs) with, per feature, `float32[global_batch, embedding_dim]`,
-          rows split over the mesh.
+          rows split over the mesh; or the given activations.
 
         Raises:
-          TypeError: `preprocessed_input` is not a `PreprocessedInput`.
+          TypeError: `preprocessed_input` is not a `PreprocessedInput` (nor None
+            with given activations).
           ValueError: it was preprocessed for other specs or another geometry.
         """
+        activations = given(self._config)
+        if activations is not None:
+            if preprocessed_input is not None:
+                check_input(preprocessed_input, self._config)
+            return activations
         check_input(preprocessed_input, self._config)
         return lookup(
             self._config,
@@ -160,18 +174,33 @@ class Embed(nnx.Module):
         )
 
 
+def embed_layers(node: Any) -> dict[str, Embed]:
+    """The `Embed` layers of `node` by their path in it (`"tower/embed"`; `""`
+    for `node` itself), in `nnx.iter_graph` order; a shared layer once.
+
+    Raises:
+      ValueError: `node` holds no `Embed` layer.
+    """
+    layers = {
+        "/".join(map(str, path)): value
+        for path, value in nnx.iter_graph(node)
+        if isinstance(value, Embed)
+    }
+    if not layers:
+        raise ValueError(
+            f"{type(node).__name__} holds no embedding.nnx.Embed layer; pass the model "
+            "that holds the layer."
+        )
+    return layers
+
+
 def embed_mesh(node: Any) -> Mesh:
     """The mesh of the `Embed` layers in `node`.
 
     Raises:
       ValueError: `node` holds no `Embed` layer, or layers on different meshes.
     """
-    meshes = {value.mesh for _, value in nnx.iter_graph(node) if isinstance(value, Embed)}
-    if not meshes:
-        raise ValueError(
-            f"{type(node).__name__} holds no embedding.nnx.Embed layer; pass the model "
-            "that holds the layer."
-        )
+    meshes = {layer.mesh for layer in embed_layers(node).values()}
     if len(meshes) > 1:
         raise ValueError(
             f"{type(node).__name__} holds Embed layers on {len(meshes)} different meshes; "
