@@ -13,6 +13,8 @@ from sparseflow._config_mesh import MeshConfig
 from sparseflow._config_preprocessing import PreprocessingConfig
 from sparseflow._errors import SparseflowError, UsageError
 from sparseflow._shipped_configs import shipped_config, shipped_config_names
+from sparseflow._train import TrainResult
+from sparseflow._trainer import Trainer
 from sparseflow._version import __version__
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "PreprocessingConfig",
     "RunConfig",
     "SparseflowError",
+    "TrainResult",
+    "Trainer",
     "UsageError",
     "__version__",
     "load_config",

@@ -202,15 +202,19 @@ class Checkpoints:
             )
             self._manager.wait_until_finished()
         except (OSError, ValueError, RuntimeError) as error:
-            failure = self._failed_save(snapshot.step, set_aside, error)
-            # Orbax's writer threads left running would print tracebacks at exit.
-            self.close()
-            raise failure from error
+            raise self._failed_save(snapshot.step, set_aside, error) from error
         if set_aside is not None and jax.process_index() == 0:
             shutil.rmtree(set_aside)
 
     def _failed_save(self, step: int, set_aside: Path | None, error: Exception):
-        """Undoes what a failed save of `step` left, and says what is still there."""
+        """Stops the writers, undoes what a failed save of `step` left, and says what
+        is still there. The folder is closed afterwards."""
+        # Orbax's writers of the other arrays may still be running: left alone
+        # they write on after the clean-up, and print tracebacks at exit.
+        try:
+            self.close()
+        except (OSError, ValueError, RuntimeError) as closing:
+            _log.warning("Closing the checkpoint writers after the failed save: %s", closing)
         if jax.process_index() == 0:
             # What the save wrote is its own to delete: it may be what filled the disk.
             for entry in self._directory.iterdir():
@@ -218,8 +222,7 @@ class Checkpoints:
                     shutil.rmtree(entry, ignore_errors=True)
             if set_aside is not None:
                 os.rename(set_aside, self._directory / str(step))
-        self._manager.reload()
-        kept = self.steps()
+        kept = sorted(int(p.name) for p in self._directory.iterdir() if p.name.isdigit())
         there = (
             f"the checkpoints of steps {', '.join(map(str, kept))} are whole; after fixing "
             f"the cause, --resume goes on from step {kept[-1]}"

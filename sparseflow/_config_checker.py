@@ -163,7 +163,7 @@ def _nodes_at(node: Node, segments: list[str], name: str) -> Iterator[tuple[Node
 def get(node: Node, key: str, kind: str, default: Any = None) -> Any:
     """The value at `key` (or `default` when absent), checked to be of `kind`.
 
-    `kind` is one of "int", "number", "bool", "str", "list".
+    `kind` is one of "int", "number", "bool", "str", "list", "mapping".
     """
     if key not in node.value:
         return default
@@ -178,6 +178,7 @@ def check_kind(node: Node, kind: str) -> Any:
         "bool": isinstance(value, bool),
         "str": isinstance(value, str) and bool(value),
         "list": isinstance(value, list),
+        "mapping": isinstance(value, dict),
     }[kind]
     if not ok:
         expected = {
@@ -186,6 +187,7 @@ def check_kind(node: Node, kind: str) -> Any:
             "bool": "true or false",
             "str": "a non-empty string",
             "list": "a list",
+            "mapping": "a mapping",
         }[kind]
         raise node.error(
             f"expected {expected}, got {type_name(value)} {value!r}"

@@ -85,13 +85,16 @@ def _widths(node: Node, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
     return widths
 
 
+_SHIPPED_TOWER_KEYS = ("bottom_mlp", "top_mlp", "tower", "pipeshard", "feature_projection")
+
+
 def read_model(node: Node) -> ModelConfig:
-    mapping(
-        node,
-        (),
-        ("bottom_mlp", "top_mlp", "learning_rate", "tower", "pipeshard", "feature_projection"),
-    )
+    mapping(node, (), (*_SHIPPED_TOWER_KEYS, "learning_rate", "module", "args"))
     defaults = ModelConfig()
+    if node.has("module"):
+        return _read_module(node, defaults)
+    if node.has("args"):
+        raise node.child("args").error("takes the arguments of model.module, which is not set")
     return build(
         node,
         ModelConfig,
@@ -102,6 +105,32 @@ def read_model(node: Node) -> ModelConfig:
             tower=read_tower(node.child("tower")) if node.has("tower") else defaults.tower,
             pipeshard=read_pipeshard(node.child("pipeshard")) if node.has("pipeshard") else None,
             feature_projection=get(node, "feature_projection", "bool", defaults.feature_projection),
+        ),
+    )
+
+
+def _read_module(node: Node, defaults: ModelConfig) -> ModelConfig:
+    """`model.module: "package.module:Class"` with `model.args`: a user's NNX model."""
+    module = get(node, "module", "str")
+    package, colon, name = module.partition(":")
+    if not colon or not package or not name.isidentifier():
+        raise node.child("module").error(
+            f'must be "package.module:Class" (a Flax NNX model class), got {module!r}'
+        )
+    shipped = [key for key in _SHIPPED_TOWER_KEYS if node.has(key)]
+    if shipped:
+        raise node.child(shipped[0]).error(
+            "configures the shipped towers; with model.module, the model's own arguments go "
+            "in model.args"
+        )
+    args = get(node, "args", "mapping", {}) if node.has("args") else {}
+    return build(
+        node,
+        ModelConfig,
+        dict(
+            learning_rate=get(node, "learning_rate", "number", defaults.learning_rate),
+            module=module,
+            args=dict(args),
         ),
     )
 

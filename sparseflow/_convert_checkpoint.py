@@ -37,6 +37,7 @@ from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
 from sparseflow._config import RunConfig
 from sparseflow._config_mesh import MeshConfig
+from sparseflow._dense_model import dense_model
 from sparseflow._errors import UsageError
 from sparseflow._train import dense_state
 
@@ -134,7 +135,11 @@ class _Reader:
             "state": jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
                 jax.eval_shape(
-                    lambda: dense_state(self._config, self._config.feature_specs, jax.random.key(0))
+                    lambda: dense_state(
+                        self._config,
+                        dense_model(self._config, self._config.feature_specs, self._device),
+                        jax.random.key(0),
+                    )
                 ),
             ),
             "tables": _mesh_change.saved_tables(written, self._device),

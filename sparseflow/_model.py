@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,9 @@ class ModelConfig:
         interaction dim d with a matrix of its own; False interacts the
         activations as they are (DLRM's original form, TorchRec's), which
         needs every embedding dim to be d.
+      module: `"package.module:Class"`, a user's Flax NNX model to train in
+        place of the shipped towers (`sparseflow._nnx_model`); None: `tower`.
+      args: keyword arguments of `module`'s class.
     """
 
     bottom_mlp: tuple[int, ...] = (64, 16)
@@ -64,6 +68,8 @@ class ModelConfig:
     tower: str | DcnV2Tower = "dlrm"
     pipeshard: PipeshardConfig | None = None
     feature_projection: bool = True
+    module: str | None = None
+    args: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("bottom_mlp", "top_mlp"):

@@ -69,6 +69,8 @@ class Stages:
       optimizer: the dense optimizer.
       enable_minibatching: as given to the preprocessing.
       pipeshard: run the dense tower as a pipeshard pipeline (`pipeshard_tc`).
+      dense_model: the dense stage's model (`_dense_model.dense_model`): its
+        `forward(params, dense, activations)` gives the logits.
     """
 
     feature_specs: Mapping[str, embedding.FeatureSpec]
@@ -76,6 +78,7 @@ class Stages:
     optimizer: optax.GradientTransformation
     enable_minibatching: bool
     pipeshard: PipeshardConfig | None = None
+    dense_model: Any = None
 
     def sc_fwd(self, sparse_inputs, embedding_variables):
         """Lookup: `(float32[batch, sum of dims] stacked activations, LayoutIndex)`.
@@ -132,7 +135,7 @@ class Stages:
         `tc_aux` is `(step, layout_index)`: the batch's training step and
         the `sc_fwd_aux` of the same batch, for its embedding update.
         """
-        grad_fn = jax.value_and_grad(_model.loss_fn, argnums=(0, 2), has_aux=True)
+        grad_fn = jax.value_and_grad(self._loss, argnums=(0, 2), has_aux=True)
         (loss, logits), (param_grads, activation_grads) = grad_fn(
             state.params, dense_inputs.dense, activations, dense_inputs.labels
         )
@@ -146,6 +149,11 @@ class Stages:
             new_state,
             (state.step, sc_fwd_aux),
         )
+
+    def _loss(self, params, dense: jax.Array, activations, labels: jax.Array):
+        """`(loss, logits)` of the dense model on a batch."""
+        logits = self.dense_model.forward(params, dense, activations)
+        return self.dense_model.loss(logits, labels), logits
 
     @functools.cached_property
     def pipeshard_tc(self) -> PipeshardTc:
@@ -190,7 +198,7 @@ class Stages:
 
         def logits(params, tables, sparse_inputs, dense_inputs):
             activations, _ = self.sc_fwd(sparse_inputs, tables)
-            return _model.forward(params, dense_inputs.dense, self.unstack(activations))
+            return self.dense_model.forward(params, dense_inputs.dense, self.unstack(activations))
 
         return jax.jit(logits)
 
@@ -291,20 +299,16 @@ class PipeshardTc:
 
 
 def init_train_state(
-    key: jax.Array,
-    model: _model.ModelConfig,
-    num_dense: int,
-    feature_dims: Mapping[str, int],
-    optimizer: optax.GradientTransformation,
+    key: jax.Array, dense_model: Any, optimizer: optax.GradientTransformation
 ) -> TrainState:
-    """The dense parameters, their optimizer state and step 0.
+    """The dense parameters (`dense_model.init`), their optimizer state and step 0.
 
     One compiled program: run op by op, the initializers and the optimizer's
     zeros compiled a program each (half a second of a run's start).
     """
 
     def init(key: jax.Array) -> TrainState:
-        params = _model.init_params(key, model, num_dense, feature_dims)
+        params = dense_model.init(key)
         return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     return jax.jit(init)(key)

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,6 +31,7 @@ import parallel
 import pipelines
 from parallel import allreduce
 from sparseflow import (
+    _dense_model,
     _hosts,
     _in_flight,
     _limit_feedback,
@@ -69,6 +70,10 @@ class TrainOptions:
       agreement_port: overrides `training.agreement_port` (0: keep it).
       agreement_hosts: the hosts' addresses in process order, for the
         minibatching agreement (default: all 127.0.0.1, local processes).
+      model: a Flax NNX model class to train in place of `model.module`'s
+        (`sparseflow.Trainer`); the config's `model.args` are its arguments.
+      loss: `(logits, labels) -> float32[]` in place of the mean sigmoid
+        cross-entropy.
       input_timeout_s: the longest the loop waits for a batch before it
         stops with `pipelines.InputTimeoutError`; a Grain worker that dies
         stops it at once (`pipelines.InputWorkerError`).
@@ -87,6 +92,8 @@ class TrainOptions:
     agreement_port: int = 0
     agreement_hosts: Sequence[str] | None = None
     input_timeout_s: float = pipelines.DEFAULT_INPUT_TIMEOUT_S
+    model: type | None = None
+    loss: Callable[[Any, Any], Any] | None = None
 
 
 class TrainingDivergedError(embedding.SparseflowError, ValueError):
@@ -320,7 +327,11 @@ class _Run:
         self.pipelined = (
             config.training.pipelined if options.pipelined is None else options.pipelined
         )
-        self.use_specs(_feature_specs(config, options, mesh))
+        specs = _feature_specs(config, options, mesh)
+        self.dense_model = _dense_model.dense_model(
+            config, specs, mesh, model_class=options.model, loss=options.loss
+        )
+        self.use_specs(specs)
         if config.model.pipeshard is not None and not self.pipelined:
             raise ValueError(
                 "model.pipeshard runs the dense tower inside SC/TC pipelined training; set "
@@ -331,7 +342,7 @@ class _Run:
         self.tables = embedding.init_embedding_variables(
             key_tables, self.specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
         )
-        self.state = replicate(dense_state(config, self.specs, key_dense), mesh)
+        self.state = replicate(dense_state(config, self.dense_model, key_dense), mesh)
         self.pipeline_state = None
         self.segment = _Segment()
         self.next_call: int | None = None  # in the loop: the call its next batch is for
@@ -347,6 +358,7 @@ class _Run:
             optimizer=_model.dense_optimizer(self.config.model),
             enable_minibatching=self.config.preprocessing.enable_minibatching,
             pipeshard=self.config.model.pipeshard,
+            dense_model=self.dense_model,
         )
         self.pipelined_step = _pipelined_step(self.stages) if self.pipelined else None
 
@@ -390,11 +402,9 @@ class _Run:
         return _model.roc_auc(labels, logits)
 
 
-def dense_state(config: RunConfig, specs, key: jax.Array) -> TrainState:
-    """The dense tower's initial parameters, optimizer state and step, for `specs`' features."""
-    dims = {name: f.table_spec.embedding_dim for name, f in specs.items()}
-    optimizer = _model.dense_optimizer(config.model)
-    return init_train_state(key, config.model, config.layout.num_dense_features, dims, optimizer)
+def dense_state(config: RunConfig, dense_model, key: jax.Array) -> TrainState:
+    """The dense model's initial parameters, optimizer state and step."""
+    return init_train_state(key, dense_model, _model.dense_optimizer(config.model))
 
 
 def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):

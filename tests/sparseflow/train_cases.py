@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import yaml
 
 import pipelines
@@ -68,3 +70,14 @@ def cli(*args: str, timeout: float = 600, preexec_fn=None) -> subprocess.Complet
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def assert_bitwise_equal_runs(result, reference) -> None:
+    """Two `TrainResult`s with the same losses, dense state, tables and slots, bitwise."""
+    assert result.losses == reference.losses
+    for a, b in zip(
+        jax.tree.leaves((result.train_state, result.embedding_variables)),
+        jax.tree.leaves((reference.train_state, reference.embedding_variables)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,78 @@
+"""The dense part of the recommender that the trainer's dense stage runs.
+
+Either a shipped tower (`model.tower`, `sparseflow._model`) or a user's Flax
+NNX model (`model.module`, `sparseflow._nnx_model`). Both give `init(key)`,
+the dense parameters; `forward(params, dense, activations)`, the logits
+`float32[batch]` of `dense: float32[batch, num_dense]` and per-feature
+activations `float32[batch, dim]`; and `loss(logits, labels)`, `float32[]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+
+import jax
+from jax.sharding import Mesh
+
+import embedding
+from sparseflow import _model
+from sparseflow._config import RunConfig
+from sparseflow._errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShippedTower:
+    """A tower of `sparseflow._model` (DLRM or DCN-v2) for the given features."""
+
+    config: _model.ModelConfig
+    num_dense_features: int
+    feature_dims: Mapping[str, int]
+    loss: Callable[[jax.Array, jax.Array], jax.Array] = _model.sigmoid_cross_entropy
+
+    def init(self, key: jax.Array) -> _model.Params:
+        return _model.init_params(key, self.config, self.num_dense_features, self.feature_dims)
+
+    def forward(self, params, dense: jax.Array, activations) -> jax.Array:
+        return _model.forward(params, dense, activations)
+
+
+def dense_model(
+    config: RunConfig,
+    specs: Mapping[str, embedding.FeatureSpec],
+    mesh: Mesh,
+    *,
+    model_class: type | None = None,
+    loss: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+) -> ShippedTower:
+    """The run's dense model for `specs` (a user's model is an `NnxModel`, alike).
+
+    Args:
+      config: the run config; its `model` section chooses the model.
+      specs: the prepared feature specs.
+      mesh: the run's mesh.
+      model_class: a Flax NNX model class in place of `model.module`'s.
+      loss: in place of the mean sigmoid cross-entropy.
+
+    Raises:
+      UsageError: the model is one the trainer cannot run.
+    """
+    loss = _model.sigmoid_cross_entropy if loss is None else loss
+    if config.model.module is None and model_class is None:
+        dims = {name: spec.table_spec.embedding_dim for name, spec in specs.items()}
+        return ShippedTower(config.model, config.layout.num_dense_features, dims, loss)
+    if config.model.pipeshard is not None:
+        raise UsageError("model.pipeshard runs the shipped towers only, not a model of your own.")
+    # Flax is imported for a user's model only: it would lengthen every run's start.
+    nnx_model = importlib.import_module("sparseflow._nnx_model")
+    return nnx_model.NnxModel.create(
+        config.model.module if model_class is None else model_class,
+        config.model.args,
+        config.feature_specs,
+        mesh,
+        num_sc_per_device=config.mesh.partitions_per_device,
+        num_dense_features=config.layout.num_dense_features,
+        global_batch_size=config.global_batch_size,
+        loss=loss,
+    )

@@ -1,0 +1,180 @@
+"""A user's Flax NNX model (`model.module` in the config) as the trainer's dense model.
+
+The model is built around an `embedding.nnx.Embed` layer that the trainer
+hands it: `Class(embed, num_dense_features, rngs=rngs, **model.args)`, and
+called as `model(sparse_batch, dense)` it returns logits `float32[batch]`.
+The trainer splits it as it splits the shipped towers: its own sparse
+stages look the batch up in the run's tables and update them; the dense
+stage runs the model with the layer given those activations
+(`embedding.nnx.provided_activations`), differentiating its `nnx.Param`s
+(the dense parameters, kept in `TrainState.params` as an `nnx.State`) and
+the activations. The layer's own tables are never materialized here: the
+model is built abstractly (`nnx.eval_shape`), and its dense parameters by a
+compiled program whose table initializers XLA drops as unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+import embedding
+from embedding import nnx as enx
+from sparseflow._errors import UsageError
+
+# What the trainer holds apart from the model's dense parameters.
+_EMBEDDING = (enx.EmbeddingParam, enx.EmbeddingStep)
+
+
+def load_model_class(module: str | type) -> type:
+    """The class `model.module` names (`"package.module:Class"`), or `module` itself.
+
+    Raises:
+      UsageError: the module does not import, has no such attribute, or
+        it is not an NNX module class.
+    """
+    if isinstance(module, type):
+        if not issubclass(module, nnx.Module):
+            raise UsageError(f"The model {module.__qualname__} is not a flax.nnx.Module class.")
+        return module
+    module_name, _, name = module.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except ImportError as error:
+        raise UsageError(
+            f"model.module {module!r}: cannot import {module_name!r}: {error}. Install the "
+            "package, or run from the folder that holds it."
+        ) from error
+    except AttributeError:
+        raise UsageError(f"model.module {module!r}: {module_name} has no {name!r}.") from None
+    if not isinstance(found, type) or not issubclass(found, nnx.Module):
+        raise UsageError(f"model.module {module!r} is not a flax.nnx.Module class.")
+    return found
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NnxModel:
+    """The dense part of a user's NNX model, for the trainer's stages.
+
+    Attributes:
+      name: `model.module`, for messages.
+      build: `(key) -> model`: the model over a fresh `Embed` layer.
+      loss: `(logits, labels) -> float32[]`.
+      graphdef: the model's graph.
+      embedding_state: the layer's tables, slots and step, abstract (never read).
+      layer_path: where the layer sits in the model (`embed_layers`).
+    """
+
+    name: str
+    build: Any
+    graphdef: Any
+    embedding_state: Any
+    layer_path: str
+    loss: Any
+
+    @classmethod
+    def create(
+        cls,
+        module: str | type,
+        args: Mapping[str, Any],
+        feature_specs: Mapping[str, embedding.FeatureSpec],
+        mesh: Mesh,
+        *,
+        num_sc_per_device: int,
+        num_dense_features: int,
+        global_batch_size: int,
+        loss: Any,
+    ) -> NnxModel:
+        """Builds `module`'s class (or `module`, a class) abstractly and checks it is a
+        model the trainer runs; `loss(logits, labels) -> float32[]` trains it.
+
+        Raises:
+          UsageError: the class does not import or build with `args`, does not
+            hold the `Embed` layer it was given (or holds others), holds
+            variables other than `nnx.Param`s beside the layer's, or does not
+            return `float[global_batch_size]` logits.
+        """
+        model_class = load_model_class(module)
+        if not isinstance(module, str):
+            module = f"{model_class.__module__}:{model_class.__qualname__}"
+
+        def build(key: jax.Array) -> nnx.Module:
+            embed = enx.Embed(
+                feature_specs, mesh, num_sc_per_device=num_sc_per_device, rngs=nnx.Rngs(key)
+            )
+            try:
+                model = model_class(embed, num_dense_features, rngs=nnx.Rngs(key), **args)
+            except TypeError as error:
+                raise UsageError(
+                    f"model.module {module!r}: {model_class.__name__}(embed, "
+                    f"num_dense_features, rngs=..., **model.args) failed: {error}. It must take "
+                    "the Embed layer, the number of dense features and rngs, and model.args "
+                    f"({sorted(args)}) as keywords."
+                ) from error
+            layers = enx.embed_layers(model) if _holds_embed(model) else {}
+            if list(layers.values()) != [embed]:
+                raise UsageError(
+                    f"model.module {module!r}: the model must hold the Embed layer it is given, "
+                    f"and no other; it holds {len(layers)} Embed layer(s)"
+                    + ("" if embed in layers.values() else ", none of them the one given")
+                    + "."
+                )
+            return model
+
+        abstract = nnx.eval_shape(lambda: build(jax.random.key(0)))
+        graphdef, embedding_state, _, rest = nnx.split(abstract, _EMBEDDING, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            kinds = sorted({type(v).__name__ for _, v in nnx.iter_graph(abstract) if _is_other(v)})
+            raise UsageError(
+                f"model.module {module!r} holds variables of type {', '.join(kinds)}; the "
+                "trainer carries the Embed layer's and nnx.Params only."
+            )
+        (layer_path,) = enx.embed_layers(abstract)
+        model = cls(module, build, graphdef, embedding_state, layer_path, loss)
+        model._check_logits(feature_specs, num_dense_features, global_batch_size)
+        return model
+
+    def init(self, key: jax.Array) -> nnx.State:
+        """The model's dense parameters (`nnx.Param`s), as built from `key`."""
+        return nnx.split(self.build(key), _EMBEDDING, nnx.Param)[2]
+
+    def forward(
+        self, params: nnx.State, dense: jax.Array, activations: Mapping[str, jax.Array]
+    ) -> jax.Array:
+        """Logits `float32[batch]` of the model on `activations` (per feature, as the
+        layer's lookup gives them) and `dense: float32[batch, num_dense]`."""
+        model = nnx.merge(self.graphdef, self.embedding_state, params)
+        layer = enx.embed_layers(model)[self.layer_path]
+        with enx.provided_activations({layer: dict(activations)}):
+            return model(None, dense)
+
+    def _check_logits(self, feature_specs, num_dense_features: int, batch: int) -> None:
+        params = jax.eval_shape(self.init, jax.random.key(0))
+        activations = {
+            name: jax.ShapeDtypeStruct((batch, spec.table_spec.embedding_dim), jnp.float32)
+            for name, spec in feature_specs.items()
+        }
+        dense = jax.ShapeDtypeStruct((batch, num_dense_features), jnp.float32)
+        logits = jax.eval_shape(self.forward, params, dense, activations)
+        shape = getattr(logits, "shape", None)
+        if shape != (batch,) or not jnp.issubdtype(logits.dtype, jnp.floating):
+            got = f"{logits.dtype}{list(shape)}" if shape is not None else type(logits).__name__
+            raise UsageError(
+                f"model.module {self.name!r}: model(sparse_batch, dense) must return logits "
+                f"float[batch] (float32[{batch}] for this config), got {got}."
+            )
+
+
+def _holds_embed(model: Any) -> bool:
+    return any(isinstance(v, enx.Embed) for _, v in nnx.iter_graph(model))
+
+
+def _is_other(value: Any) -> bool:
+    return isinstance(value, nnx.Variable) and not isinstance(value, (*_EMBEDDING, nnx.Param))

@@ -1,0 +1,167 @@
+"""`model.module`: the trainer runs a user's Flax NNX model built on `embedding.nnx.Embed`."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import user_models
+import yaml
+from train_cases import assert_bitwise_equal_runs
+
+import embedding
+import sparseflow
+from sparseflow import _dense_model, _in_flight, _train, load_config
+from sparseflow._config_checker import ConfigError
+from sparseflow._errors import UsageError
+
+
+def _config(small_run, name: str, model: dict):
+    tmp, path, _, _ = small_run
+    raw = yaml.safe_load(path.read_text())
+    raw["model"] = model
+    out = tmp / f"{name}.yaml"
+    out.write_text(yaml.safe_dump(raw))
+    return load_config(out)
+
+
+def _first_batch_logits(config, data: str, params, tables) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 numpy logits and labels of global batch 0 under `params` and `tables`:
+    the activations of the run's own lookup, then the model's linear head."""
+    options = _train.TrainOptions(data=data, progress=False)
+    mesh = _train.make_mesh(config.mesh.devices)
+    specs = _train._feature_specs(config, options, mesh)
+    batch = _in_flight.read_batch(
+        data,
+        _train._batching(config, training=True),
+        _train._preprocess_config(config, options, specs, mesh),
+        mesh,
+        0,
+    )
+    activations = embedding.sparse_dense_matmul(batch.sparse.unpack(), tables, specs, mesh)
+    x = np.concatenate(
+        [np.asarray(activations[name], np.float64) for name in sorted(activations)]
+        + [np.asarray(batch.dense, np.float64)],
+        axis=1,
+    )
+    head = params["head"]
+    w = np.asarray(head["kernel"][...], np.float64)
+    b = np.asarray(head["bias"][...], np.float64)
+    return (x @ w + b)[:, 0], np.asarray(batch.labels, np.float64)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_user_model_trains_and_its_first_loss_is_its_own_forward(small_run, pipelined):
+    _, _, _, data = small_run
+    config = _config(
+        small_run, "linear", {"module": "user_models:LinearModel", "args": {"scale": 0.5}}
+    )
+    options = _train.TrainOptions(data=data, steps=4, progress=False, pipelined=pipelined)
+    mesh = _train.make_mesh(config.mesh.devices)
+    run = _train._Run(config, options, mesh)
+    initial_params, initial_tables = run.state.params, run.tables
+    result = _train.train(config, options)
+    assert len(result.losses) == 4 and all(np.isfinite(result.losses))
+
+    z, y = _first_batch_logits(config, data, initial_params, initial_tables)
+    z = 0.5 * z
+    expected = np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z))))
+    np.testing.assert_allclose(result.losses[0], expected, rtol=1e-5)
+    # The head and the tables moved; the tables keep their row sharding.
+    assert not np.array_equal(
+        np.asarray(result.train_state.params["head"]["kernel"][...]),
+        np.asarray(initial_params["head"]["kernel"][...]),
+    )
+    for name, variables in result.embedding_variables.items():
+        assert variables.table.sharding == initial_tables[name].table.sharding
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"module": "no_such_package.models:Model"}, "cannot import 'no_such_package.models'"),
+        ({"module": "user_models:Missing"}, "user_models has no 'Missing'"),
+        ({"module": "user_models:LinearModel", "args": {"width": 3}}, "unexpected keyword"),
+        ({"module": "user_models:WithoutTheLayer"}, "must hold the Embed layer it is given"),
+        ({"module": "user_models:ColumnLogits"}, "must return logits float[batch]"),
+        ({"module": "user_models:WithBatchStats"}, "holds variables of type BatchStat"),
+    ],
+)
+def test_a_model_the_trainer_cannot_run_is_refused_naming_why(small_run, model, message):
+    config = _config(small_run, "refused", model)
+    mesh = _train.make_mesh(config.mesh.devices)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _dense_model.dense_model(config, config.feature_specs, mesh)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"module": "user_models.LinearModel"}, 'must be "package.module:Class"'),
+        ({"module": "user_models:LinearModel", "bottom_mlp": [8]}, "configures the shipped"),
+        ({"args": {"scale": 1.0}}, "takes the arguments of model.module"),
+        ({"module": "user_models:LinearModel", "args": [1]}, "expected a mapping"),
+    ],
+)
+def test_a_model_section_mixing_the_two_kinds_is_refused(small_run, model, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _config(small_run, "mixed", model)
+
+
+def test_the_shipped_tower_runs_as_before_without_flax(small_run):
+    _, _, config, _ = small_run
+    model = _dense_model.dense_model(config, config.feature_specs, None)
+    assert isinstance(model, _dense_model.ShippedTower)
+    params = model.init(jax.random.key(0))
+    assert set(params) >= {"bottom", "top"}
+
+
+def test_a_user_models_run_resumes_exactly_from_its_checkpoint(small_run):
+    tmp, _, _, data = small_run
+    config = _config(small_run, "resumed", {"module": "user_models:LinearModel"})
+    options = dict(data=data, progress=False, pipelined=False)
+    whole = _train.train(config, _train.TrainOptions(**options, steps=4))
+    checkpoints = tmp / "user-model-checkpoints"
+    _train.train(config, _train.TrainOptions(**options, steps=2, checkpoint_dir=checkpoints))
+    resumed = _train.train(
+        config, _train.TrainOptions(**options, steps=4, checkpoint_dir=checkpoints, resume=True)
+    )
+    assert_bitwise_equal_runs(resumed, whole)
+
+
+def test_the_shipped_towers_nnx_modules_train_as_user_models(small_run):
+    _, _, _, data = small_run
+    model = {"module": "sparseflow.towers:DcnV2", "args": {"cross_layers": 2, "mlp": [16]}}
+    model["args"]["bottom_mlp"] = [16, 8]
+    config = _config(small_run, "towers", model)
+    result = _train.train(config, _train.TrainOptions(data=data, steps=3, progress=False))
+    assert len(result.losses) == 3 and all(np.isfinite(result.losses))
+
+
+def _squared_error(logits, labels):
+    return jnp.mean((jax.nn.sigmoid(logits) - labels) ** 2)
+
+
+def test_the_trainer_takes_a_model_class_and_a_loss(small_run):
+    _, path, _, data = small_run
+    trainer = sparseflow.Trainer(path, user_models.LinearModel, loss=_squared_error)
+    options = _train.TrainOptions(
+        data=data, steps=3, progress=False, model=user_models.LinearModel, loss=_squared_error
+    )
+    config = trainer._run_config()
+    mesh = _train.make_mesh(config.mesh.devices)
+    run = _train._Run(config, options, mesh)
+    result = trainer.fit(data, steps=3, progress=False)
+    assert len(result.losses) == 3 and config.model.module == "user_models:LinearModel"
+    z, y = _first_batch_logits(config, data, run.state.params, run.tables)
+    expected = np.mean((1 / (1 + np.exp(-z)) - y) ** 2)
+    np.testing.assert_allclose(result.losses[0], expected, rtol=1e-5)
+
+
+def test_the_trainer_refuses_devices_for_a_loaded_config(small_run):
+    _, _, config, data = small_run
+    with pytest.raises(UsageError, match="has its mesh already"):
+        sparseflow.Trainer(config, devices=2).fit(data, steps=1)
