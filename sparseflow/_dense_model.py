@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -45,8 +46,9 @@ def dense_model(
     *,
     model_class: type | None = None,
     loss: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-) -> ShippedTower:
-    """The run's dense model for `specs` (a user's model is an `NnxModel`, alike).
+) -> Any:
+    """The run's dense model for `specs`: a `ShippedTower`, or for a user's model an
+    `NnxModel` (`sparseflow._nnx_model`) with the same three methods.
 
     Args:
       config: the run config; its `model` section chooses the model.

@@ -308,6 +308,11 @@ class _Segment:
     first_batch: int = 0
     first_call: int = 0
 
+    @classmethod
+    def of(cls, metadata: dict) -> _Segment:
+        """The segment a checkpoint's metadata records (an older one's: the first)."""
+        return cls(*metadata.get("pipeline_segment", (0, 0)))
+
     def end(self, n: int, pipelined: bool) -> int:
         """The call after the last one, for `n` batches in all."""
         batches = n - self.first_batch
@@ -477,7 +482,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
                 run.set_arrays(snapshot.arrays)
                 run.losses = list(snapshot.metadata["losses"])
                 start, pending = snapshot.step, None
-                run.segment = _Segment(*snapshot.metadata.get("pipeline_segment", (0, 0)))
+                run.segment = _Segment.of(snapshot.metadata)
                 batches.use_specs(_checkpoint_specs(run, snapshot.metadata))
                 batches.set_state(snapshot.iterator_state)
                 _log.info("Resumed from the checkpoint at step %d.", start)
@@ -591,7 +596,7 @@ def _other_mesh(run: _Run) -> _mesh_change.OtherMesh:
         fresh = run.pipeline_state
 
         def in_flight(saved, tables, snapshot: Snapshot):
-            segment = _Segment(*snapshot.metadata.get("pipeline_segment", (0, 0)))
+            segment = _Segment.of(snapshot.metadata)
             next_batch = _in_flight.next_batch(snapshot.iterator_state)
             return _relaid_in_flight(run, saved, fresh, tables, segment, snapshot.step, next_batch)
 

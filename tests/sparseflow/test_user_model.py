@@ -111,7 +111,7 @@ def test_a_model_section_mixing_the_two_kinds_is_refused(small_run, model, messa
         _config(small_run, "mixed", model)
 
 
-def test_the_shipped_tower_runs_as_before_without_flax(small_run):
+def test_a_config_without_model_module_runs_the_shipped_tower(small_run):
     _, _, config, _ = small_run
     model = _dense_model.dense_model(config, config.feature_specs, None)
     assert isinstance(model, _dense_model.ShippedTower)
