@@ -103,12 +103,48 @@ def table_key(key: jax.Array, table_name: str) -> jax.Array:
     It depends on nothing but the seed and the name, so a table starts the same
     whatever the device count, partitions or stacking.
     """
-    return jax.random.fold_in(key, zlib.crc32(table_name.encode()) & 0x7FFFFFFF)
+    return jax.random.fold_in(key, _name_hash(table_name))
+
+
+def _name_hash(table_name: str) -> int:
+    return zlib.crc32(table_name.encode()) & 0x7FFFFFFF
 
 
 def _namespace(x: Any):
     """numpy for host arrays (no device round trip), else jax.numpy."""
     return np if isinstance(x, np.ndarray) else jnp
+
+
+def _partition_blocks(values: Any, tables: Sequence[TableSpec], num_partitions: int) -> list[Any]:
+    """Tables of one shape and padding, each split into its partitions' rows.
+
+    Args:
+      values: `[n, vocabulary_size, embedding_dim]`, table `i` of `tables` in
+        logical order at `[i]`.
+      tables: the n prepared specs.
+      num_partitions: N.
+
+    Returns:
+      Per table, `[N, padded_vocab_size / N, padded_embedding_dim]`, zero
+      padded: `[p]` holds the rows the table keeps in partition `p`.
+    """
+    xp = _namespace(values)
+    setting = tables[0].setting_in_stack
+    values = xp.pad(
+        values,
+        (
+            (0, 0),
+            (0, setting.padded_vocab_size - values.shape[1]),
+            (0, setting.padded_embedding_dim - values.shape[2]),
+        ),
+    )
+    # [q, r] holds id r*N + q, which lives in partition (q + rotation) mod N.
+    by_partition = values.reshape(values.shape[0], -1, num_partitions, values.shape[2])
+    by_partition = by_partition.transpose(0, 2, 1, 3)
+    return [
+        xp.roll(by_partition[i], table.setting_in_stack.shard_rotation, axis=0)
+        for i, table in enumerate(tables)
+    ]
 
 
 def to_sharded_order(
@@ -125,21 +161,11 @@ def to_sharded_order(
     Returns:
       `[stack_vocab_size, padded_dim]`, zero padded.
     """
-    xp = _namespace(logical[0])
-    blocks = []
-    for values, table in zip(logical, tables, strict=True):
-        setting = table.setting_in_stack
-        values = xp.pad(
-            values,
-            (
-                (0, setting.padded_vocab_size - values.shape[0]),
-                (0, setting.padded_embedding_dim - values.shape[1]),
-            ),
-        )
-        # [q, r] holds id r*N + q, which lives in partition (q + rotation) mod N.
-        by_partition = values.reshape(-1, num_partitions, values.shape[1]).transpose(1, 0, 2)
-        blocks.append(xp.roll(by_partition, setting.shard_rotation, axis=0))
-    stacked = xp.concatenate(blocks, axis=1)
+    blocks = [
+        _partition_blocks(values[None], [table], num_partitions)[0]
+        for values, table in zip(logical, tables, strict=True)
+    ]
+    stacked = _namespace(blocks[0]).concatenate(blocks, axis=1)
     return stacked.reshape(-1, stacked.shape[2])
 
 
@@ -158,15 +184,49 @@ def to_logical_order(sharded: Any, tables: Sequence[TableSpec], num_partitions: 
     return logical
 
 
-def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, sharding):
-    logical = []
-    for table in members.tables:
+def _alike(tables: Sequence[TableSpec]) -> list[list[int]]:
+    """The indices of `tables` grouped by initializer, shape and padding, in order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, table in enumerate(tables):
+        setting = table.setting_in_stack
         shape = (table.vocabulary_size, table.embedding_dim)
-        values = table.initializer(table_key(key, table.name), shape, jnp.float32)
-        # Pinning the logical table to the row sharding makes every device draw
-        # only its own rows (partitionable threefry), never the whole table.
-        logical.append(jax.lax.with_sharding_constraint(values.astype(jnp.float32), sharding))
-    table = to_sharded_order(logical, members.tables, num_partitions)
+        padding = (setting.padded_vocab_size, setting.padded_embedding_dim)
+        # Initializers are compared, not hashed: any callable may be one.
+        same = next(
+            (k for k in groups if k[0] == table.initializer and k[1:] == (shape, padding)), None
+        )
+        groups.setdefault(same or (table.initializer, shape, padding), []).append(i)
+    return list(groups.values())
+
+
+def _draw(initializer, shape: tuple[int, int], key: jax.Array) -> jax.Array:
+    return initializer(key, shape, jnp.float32)
+
+
+def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, sharding):
+    # Alike tables are drawn and laid out by one vmapped call each (the values
+    # are those of a call per table): one table at a time, the 26 tables of
+    # the Criteo config put 26 copies of the generator and of the layout in
+    # the program, which then took seconds to compile and more than half a
+    # second to load from the compilation cache at every start.
+    tables = members.tables
+    blocks: list[Any] = [None] * len(tables)
+    batched = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    for indices in _alike(tables):
+        first = tables[indices[0]]
+        shape = (first.vocabulary_size, first.embedding_dim)
+        names = np.array([_name_hash(tables[i].name) for i in indices], np.uint32)
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, names)  # table_key's
+        draw = functools.partial(_draw, first.initializer, shape)
+        values = jax.vmap(draw)(keys)
+        # Pinning the logical tables to the row sharding makes every device
+        # draw only its own rows (partitionable threefry), never a whole table.
+        values = jax.lax.with_sharding_constraint(values.astype(jnp.float32), batched)
+        grouped = _partition_blocks(values, [tables[i] for i in indices], num_partitions)
+        for i, block in zip(indices, grouped, strict=True):
+            blocks[i] = block
+    stacked = jnp.concatenate(blocks, axis=1)
+    table = stacked.reshape(-1, stacked.shape[2])
     optimizer = members.spec.optimizer
     slots = jax.tree.map(
         lambda value, shape: jnp.full(shape, value, jnp.float32),

@@ -58,6 +58,7 @@ so with them the TC stage receives and returns per-feature arrays
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -207,23 +208,23 @@ def get_initial_state(
         changes the structure of the train state.
     """
     _check_pipeline_input(pipeline_input)
-    sparse = _zeros(pipeline_input.sparse_inputs, sparse_input_sharding)
-    dense = _zeros(pipeline_input.dense_inputs, dense_input_sharding)
+    sparse = _abstract(pipeline_input.sparse_inputs, sparse_input_sharding)
+    dense = _abstract(pipeline_input.dense_inputs, dense_input_sharding)
     activations, sc_fwd_aux = jax.eval_shape(
         lambda s, v: _unpack(sc_fwd_function(s, v), "sc_fwd_function", _SC_FWD_OUTPUTS),
         sparse,
         embedding_variables,
     )
-    activations = _zeros(activations, sparse_input_sharding)
-    sc_fwd_aux = _zeros(sc_fwd_aux, aux_sharding)
+    activations = _abstract(activations, sparse_input_sharding)
+    sc_fwd_aux = _abstract(sc_fwd_aux, aux_sharding)
     # A host-driven TC stage cannot be traced; it gives a traceable twin for the shapes.
     traceable = getattr(tc_function, "shape_function", tc_function)
     tc = jax.eval_shape(
         lambda *args: _run_tc(traceable, *args), activations, dense, tc_train_state, sc_fwd_aux
     )
     _check_train_state(tc_train_state, tc.train_state)
-    return PipelineState(
-        pipeline_step=jnp.zeros((), jnp.int32),
+    state = PipelineState(
+        pipeline_step=jax.ShapeDtypeStruct((), jnp.int32),
         last_step_inputs=LastStepInput(
             sparse_inputs=sparse,
             embedding_activations=activations,
@@ -231,13 +232,14 @@ def get_initial_state(
             sc_fwd_aux=sc_fwd_aux,
         ),
         step_before_last_step_inputs=StepBeforeLastStepInput(
-            sparse_inputs=_zeros(sparse, sparse_input_sharding),
-            embedding_gradients=_zeros(tc.embedding_gradients, sparse_input_sharding),
-            tc_aux=_zeros(tc.tc_aux, aux_sharding),
+            sparse_inputs=sparse,
+            embedding_gradients=_abstract(tc.embedding_gradients, sparse_input_sharding),
+            tc_aux=_abstract(tc.tc_aux, aux_sharding),
         ),
-        placeholder_output=_zeros(tc.output, None),
-        placeholder_tc_aux=_zeros(tc.tc_aux, aux_sharding),
+        placeholder_output=_abstract(tc.output, None),
+        placeholder_tc_aux=_abstract(tc.tc_aux, aux_sharding),
     )
+    return _zeros(state)
 
 
 def step(
@@ -722,24 +724,57 @@ def _unpack(result: Any, stage: str, names: Sequence[str]) -> tuple:
     return result
 
 
-def _zeros(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
-    """Zeros shaped like every leaf of `tree` (arrays or `ShapeDtypeStruct`s), each its own buffer.
+def _abstract(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
+    """`ShapeDtypeStruct`s shaped like every leaf of `tree` (arrays or structs).
 
-    With `sharding`, leaves with at least one dimension are created sharded.
+    With `sharding`, leaves with at least one dimension are placed by it;
+    other leaves go to the default device.
+
+    Raises:
+      ValueError: `sharding` cannot place a leaf (e.g. its rows do not divide).
     """
 
-    def zeros(leaf):
+    def abstract(leaf):
         shape, dtype = np.shape(leaf), jnp.result_type(leaf)
         if sharding is None or not shape:
-            return jnp.zeros(shape, dtype)
+            return jax.ShapeDtypeStruct(shape, dtype)
         try:
-            return jnp.zeros(shape, dtype, device=sharding)
+            sharding.shard_shape(shape)
         except ValueError as e:
             raise ValueError(
                 f"Cannot place a {dtype}{list(shape)} placeholder with {sharding}: {e}"
             ) from e
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    return jax.tree.map(zeros, tree)
+    return jax.tree.map(abstract, tree)
+
+
+def _zeros(tree: Any) -> Any:
+    """Zeros for every `ShapeDtypeStruct` of `tree`, placed as it says, each its own buffer.
+
+    One compiled program per placement: made one by one, the placeholders of
+    a pipeline state (dozens for a run of many tables) were a program each,
+    looked up and dispatched one after another at every start.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    by_placement: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_placement.setdefault(leaf.sharding, []).append(i)
+    zeros: list[Any] = [None] * len(leaves)
+    for sharding, indices in by_placement.items():
+        made = _zeros_program(tuple((leaves[i].shape, leaves[i].dtype) for i in indices), sharding)
+        for i, array in zip(indices, made(), strict=True):
+            zeros[i] = array
+    return jax.tree.unflatten(treedef, zeros)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_program(shapes: tuple, sharding: jax.sharding.Sharding | None):
+    out_shardings = None if sharding is None else (sharding,) * len(shapes)
+    return jax.jit(
+        lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in shapes),
+        out_shardings=out_shardings,
+    )
 
 
 def _zeros_like(tree: Any) -> Any:

@@ -136,3 +136,46 @@ def test_gather_tables_rejects_an_unknown_stack():
     specs, mesh = _specs(2, 1), mesh_of(2)
     with pytest.raises(ValueError, match="unknown stack 'nope'"):
         embedding.gather_tables({"nope": np.zeros((8, 8))}, specs, mesh, num_sc_per_device=1)
+
+
+@pytest.mark.parametrize(("devices", "slots"), [(1, 1), (2, 2)])
+def test_alike_tables_of_a_stack_start_as_their_own_initializer(devices, slots):
+    """Tables of one initializer and shape are drawn together; each still gets
+    `initializer(table_key(key, name), shape)`, in its own place of the stack."""
+    normal = embedding.initializers.Normal(stddev=1.0)
+    shapes = {
+        "u": (128, 8, normal),
+        "v": (128, 8, embedding.initializers.TruncatedNormal(stddev=0.5)),
+        "w": (128, 8, normal),
+        "x": (64, 8, normal),
+        "y": (128, 8, embedding.initializers.Normal(stddev=1.0)),
+    }
+    tables = {
+        name: embedding.TableSpec(
+            name=name,
+            vocabulary_size=vocab,
+            embedding_dim=dim,
+            initializer=initializer,
+            optimizer=ADAGRAD,
+            combiner="sum",
+            max_ids_per_partition=32,
+            max_unique_ids_per_partition=32,
+        )
+        for name, (vocab, dim, initializer) in shapes.items()
+    }
+    specs = {
+        name: embedding.FeatureSpec(
+            name=name, table_spec=table, input_shape=[16, 2], output_shape=[16, table.embedding_dim]
+        )
+        for name, table in tables.items()
+    }
+    specs = embedding.stack_tables(specs, list(tables), devices, slots, stack_name="all")
+    mesh, key = mesh_of(devices), jax.random.key(11)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(key, specs, mesh, num_sc_per_device=slots)
+    )
+    assert list(variables) == ["all"]
+    gathered = _gather(variables, specs, mesh, slots)
+    for name, (vocab, dim, initializer) in shapes.items():
+        expected = initializer(embedding.table_key(key, name), (vocab, dim))
+        np.testing.assert_array_equal(gathered[name], np.asarray(expected), err_msg=name)
