@@ -8,7 +8,7 @@ or, without a training order, the good records' batches in file order (see
 every batch out with the online preprocessing, and writes per stacked table
 the maxima per partition, percentiles of the per-batch maxima, a histogram
 of the per-partition max ids and per logical table the id frequencies, as
-an FDO stats file (`embedding.FdoStats`; format in `embedding._fdo_file`).
+an FDO stats file (`embedding.FdoStats`; format in `embedding.fdo._file`).
 
 Outputs in `out_dir`:
   `fdo_stats-offline-<time_ns>.json`  the stats (load with

@@ -7,34 +7,6 @@ jax-tpu-embedding's names and signatures as aliases (docs/switching.md).
 from embedding import initializers, jte_compat
 from embedding._buffers import aligned_empty
 from embedding._errors import SparseflowError
-from embedding._fdo_batch_order import FdoBatchOrder
-from embedding._fdo_client import (
-    FdoClient,
-    OnMismatch,
-    fdo_stats_file_name,
-    load_fdo_stats,
-    merge_fdo_stats,
-    write_fdo_stats,
-)
-from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats, TableIdFrequency
-from embedding._fdo_geometry import FdoGeometry
-from embedding._fdo_layout import FdoLayout, fdo_layout
-from embedding._fdo_limits import (
-    StackLimits,
-    apply_fdo,
-    batch_fdo_stats,
-    exceeds,
-    fdo_limits,
-    max_limits,
-    set_stack_limits,
-    stack_limits,
-)
-from embedding._fdo_raises import (
-    LimitRaises,
-    limit_raises_path,
-    load_limit_raises,
-    write_limit_raises,
-)
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._interaction import pairwise_dots
 from embedding._layout import LimitBreachError
@@ -87,6 +59,34 @@ from embedding._variables import (
     init_embedding_variables,
     shard_tables,
     table_key,
+)
+from embedding.fdo import (
+    FdoBatchOrder,
+    FdoClient,
+    FdoGeometry,
+    FdoLayout,
+    FdoStats,
+    FdoStatsError,
+    LimitRaises,
+    OnMismatch,
+    StackFdoStats,
+    StackLimits,
+    TableIdFrequency,
+    apply_fdo,
+    batch_fdo_stats,
+    exceeds,
+    fdo_layout,
+    fdo_limits,
+    fdo_stats_file_name,
+    limit_raises_path,
+    load_fdo_stats,
+    load_limit_raises,
+    max_limits,
+    merge_fdo_stats,
+    set_stack_limits,
+    stack_limits,
+    write_fdo_stats,
+    write_limit_raises,
 )
 
 __all__ = [

@@ -36,9 +36,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from embedding._fdo_client import FdoClient
-from embedding._fdo_file import FdoStats
-from embedding._fdo_limits import apply_fdo
 from embedding._lookup import sparse_dense_matmul
 from embedding._optimizers import (
     AdagradOptimizerSpec,
@@ -75,6 +72,9 @@ from embedding._stacking import (
 from embedding._update import apply_gradients
 from embedding._variables import EmbeddingVariables as _Variables
 from embedding._variables import to_logical_order, to_sharded_order
+from embedding.fdo._client import FdoClient
+from embedding.fdo._file import FdoStats
+from embedding.fdo._limits import apply_fdo
 
 FDOClient = FdoClient
 

@@ -1,18 +1,34 @@
 """Every package's `__all__` names exist and import."""
 
 import importlib
+import pkgutil
 
 import pytest
 
-PACKAGES = [
-    "embedding",
-    "embedding.nnx",
-    "pipelines",
-    "parallel",
-    "beam_jobs",
-    "sparseflow",
-    "sparseflow.towers",
-]
+TOP_LEVEL = ["embedding", "parallel", "pipelines", "beam_jobs", "sparseflow"]
+
+
+def _packages() -> list[str]:
+    """Every package and subpackage of the project (folders with an `__init__.py`)."""
+    found = []
+    for top in TOP_LEVEL:
+        module = importlib.import_module(top)
+        found.append(top)
+        found += [
+            info.name
+            for info in pkgutil.walk_packages(module.__path__, prefix=f"{top}.")
+            if info.ispkg and not info.name.rpartition(".")[2].startswith("_")
+        ]
+    return found
+
+
+PACKAGES = _packages()
+
+
+def test_the_subpackages_are_found():
+    assert {"embedding.fdo", "embedding.nnx", "parallel.allreduce", "sparseflow.towers"} <= set(
+        PACKAGES
+    )
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -257,7 +257,7 @@ def test_bad_stats_files_raise_or_default_with_a_warning(tmp_path, caplog, write
     with pytest.raises(embedding.FdoStatsError, match=message):
         embedding.load_fdo_stats(tmp_path, expected_config_hash=HASH, expected_geometry=GEOMETRY)
     client = embedding.FdoClient(tmp_path, config_hash=HASH, geometry=GEOMETRY)
-    with caplog.at_level(logging.WARNING, logger="embedding._fdo_client"):
+    with caplog.at_level(logging.WARNING, logger="embedding.fdo._client"):
         assert client.load(on_mismatch="warn_and_default") is None
     assert message.split(":")[0] in caplog.text and "using the configured limits" in caplog.text
 

@@ -17,8 +17,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from embedding._fdo_geometry import FdoGeometry
 from embedding._specs import FeatureSpec
+from embedding.fdo._geometry import FdoGeometry
 
 # A layout entry's value: what a JSON file keeps exactly.
 LayoutValue = str | int | bool | list[int]

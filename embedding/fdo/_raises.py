@@ -29,11 +29,11 @@ import os
 from collections.abc import Mapping
 
 from embedding._buffers import INT32_MAX
-from embedding._fdo_file import FdoStatsError
-from embedding._fdo_geometry import FdoGeometry
-from embedding._fdo_layout import FdoLayout
-from embedding._fdo_limits import StackLimits
-from embedding._fdo_schema import INT64_MAX, SchemaError, integer, integers, item, json_object
+from embedding.fdo._file import FdoStatsError
+from embedding.fdo._geometry import FdoGeometry
+from embedding.fdo._layout import FdoLayout
+from embedding.fdo._limits import StackLimits
+from embedding.fdo._schema import INT64_MAX, SchemaError, integer, integers, item, json_object
 
 _log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ Reading is strict; a file that breaks any of these rules is refused with an
 
 Files are named `fdo_stats-<source>-<time_ns>.json`, `<source>` being
 `p<process index, 5 digits>` for `FdoClient` and `offline` for the offline
-job (see `embedding._fdo_client` for writing, loading and merging them).
+job (see `embedding.fdo._client` for writing, loading and merging them).
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ import numpy as np
 from embedding._buffers import INT32_MAX
 from embedding._checks import check_int
 from embedding._errors import SparseflowError
-from embedding._fdo_batch_order import FdoBatchOrder
-from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
-from embedding._fdo_invariants import BATCH_MAX_PERCENTILES, check_stack
-from embedding._fdo_schema import (
+from embedding.fdo._batch_order import FdoBatchOrder
+from embedding.fdo._geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
+from embedding.fdo._invariants import BATCH_MAX_PERCENTILES, check_stack
+from embedding.fdo._schema import (
     INT64_MAX,
     SchemaError,
     field,
@@ -193,7 +193,7 @@ class FdoStats:
 
     Raises:
       ValueError: stats of another shape than the geometry's, or that
-        contradict each other (see `embedding._fdo_invariants`); the message
+        contradict each other (see `embedding.fdo._invariants`); the message
         names the entry, e.g. `stacks['t'].max_ids_per_partition[3]`.
     """
 

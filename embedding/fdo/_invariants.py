@@ -21,8 +21,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from embedding._buffers import INT32_MAX
-from embedding._fdo_geometry import FdoGeometry, largest_slot_buffer, stat_sizes
-from embedding._fdo_schema import SchemaError, field, item
+from embedding.fdo._geometry import FdoGeometry, largest_slot_buffer, stat_sizes
+from embedding.fdo._schema import SchemaError, field, item
 
 BATCH_MAX_PERCENTILES = ("p50", "p90", "p99", "p99.9", "max")
 """The percentiles of a stat's per-batch maxima an offline stats file holds, in order."""

@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from embedding._checks import is_int
-from embedding._fdo_file import FdoStats, FdoStatsError, StackFdoStats
-from embedding._fdo_geometry import LIMIT_FIELDS, FdoGeometry
-from embedding._fdo_layout import FdoLayout
 from embedding._preprocess import SparseDenseMatmulInputStats
+from embedding.fdo._file import FdoStats, FdoStatsError, StackFdoStats
+from embedding.fdo._geometry import LIMIT_FIELDS, FdoGeometry
+from embedding.fdo._layout import FdoLayout
 
 _log = logging.getLogger(__name__)
 
