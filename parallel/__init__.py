@@ -3,8 +3,9 @@
 `parallel.allreduce`: the gRPC OR all-reduce hosts use to agree on
 minibatching.
 
-SC/TC step pipelining (`step` and its helpers): the sparse update and lookup
-of one batch beside the dense forward/backward pass of the previous one.
+`parallel.sc_tc` (its names exported here too): SC/TC step pipelining, the
+sparse update and lookup of one batch beside the dense forward/backward pass
+of the previous one.
 
 `parallel.pipeshard`: pipeline stages of the dense model on sub-meshes,
 data parallel inside each (Alpa-style pipeshard execution). It is imported
@@ -16,7 +17,14 @@ using only the all-reduce, never need.
 import importlib
 
 from parallel import allreduce
-from parallel._sc_tc import (
+from parallel.sc_tc import (
+    CurrentStepInput,
+    LastStepInput,
+    PipelineState,
+    ScBwdStageFun,
+    ScFwdStageFun,
+    StepBeforeLastStepInput,
+    TcStageFun,
     get_initial_state,
     get_pipeline_state_sharding,
     get_pipeline_train_steps,
@@ -25,15 +33,6 @@ from parallel._sc_tc import (
     jit_step,
     step,
     unstacked_tc_function,
-)
-from parallel._sc_tc_types import (
-    CurrentStepInput,
-    LastStepInput,
-    PipelineState,
-    ScBwdStageFun,
-    ScFwdStageFun,
-    StepBeforeLastStepInput,
-    TcStageFun,
 )
 
 __all__ = [
