@@ -397,9 +397,10 @@ ffi::Error GatherRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::Re
 // at random places. Where the sums fit in a core's cache (kCachedSumsBytes,
 // as for one device of 8 at the benchmark's shape: 256 KiB), that is the
 // fastest way (the pooling took half the time of the sort below). Where they
-// do not, it waited for them (4.0-4.2 ms per step for 8 tables of 41k
-// entries; 2.1 ms the other way): a counting sort by sample (stable, so
-// layout order within a sample) lists each sample's rows and gains first;
+// do not, it waited for them (twice as long as the other way; figures in
+// docs/benchmarks.md, "Measured in the CPU kernels' design"): a counting sort
+// by sample (stable, so layout order within a sample) lists each sample's
+// rows and gains first;
 // every sum is then formed in registers and written once, and chunks cut
 // the samples.
 ffi::Error Pool(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> entry_index,
@@ -597,8 +598,9 @@ enum class Rule { kSgd, kAdagrad, kRowWiseAdagrad };
 
 // The sum of g[d]^2 in 8 lanes, added pairwise at the end. A single running
 // sum is a chain of dim dependent additions that the compiler may not
-// reorder: for dim 16 it made a row-wise Adagrad update of 160k rows 5 ms
-// slower than SGD's. The order is fixed, so results stay bitwise the same.
+// reorder: for dim 16 it made a row-wise Adagrad update much slower than
+// SGD's (docs/benchmarks.md). The order is fixed, so results stay bitwise
+// the same.
 float SumOfSquares(const float* g, int64_t dim) {
   constexpr int64_t kLanes = 8;
   float lanes[kLanes] = {};
@@ -688,11 +690,11 @@ struct RunPart {
 // The range is taken in windows of kWindowRows rows. Run after run, each
 // gradient in the window is added into its row's place in the window (the
 // row's first gradient is copied there) and the row is marked; the marked
-// rows are then read out in order. On 8 runs of 25k rows of width 16 in
-// all, merging this way and then updating the merged rows (`ApplyToRows`)
-// took 32 ns per row where merging as the runs were read (finding the
-// smallest head row of all runs by vector compares, then updating it) took
-// 46 ns; the merge alone had taken most of that.
+// rows are then read out in order. Merging this way and then updating the
+// merged rows (`ApplyToRows`) took two thirds of the time of merging as the
+// runs were read (finding the smallest head row of all runs by vector
+// compares, then updating it), whose merge alone had taken most of it
+// (docs/benchmarks.md).
 template <int64_t D>
 int64_t MergeRuns(const std::vector<RunPart>& runs, int64_t row_begin, int64_t row_end,
                   int64_t dim, int32_t* rows, float* sums) {
@@ -781,14 +783,14 @@ void MergeAndApply(const Pieces<const int32_t>& received, const Pieces<const flo
 
 // Tables and slots are read and written at random rows. On 4 KiB pages
 // nearly every row is a TLB miss, and where the TLB misses, prefetching
-// hides little: an update of 160k random rows of 64 bytes in 512 MiB took
-// 27 ms on 4 KiB pages and 11 ms on 2 MiB pages (prefetching 16 rows ahead,
-// same machine and run). So the variables ask for transparent huge pages:
+// hides little: an update of random rows took more than twice as long on
+// 4 KiB pages as on 2 MiB pages, prefetching or not (docs/benchmarks.md).
+// So the variables ask for transparent huge pages:
 // madvise(MADV_HUGEPAGE) for pages not yet touched, and, for a buffer that
 // stays in place from step to step (donated and aliased), a synchronous
 // MADV_COLLAPSE of the pages already there, at every call. The first
-// collapse of a buffer takes time (22 ms for 64 MiB here); on pages already
-// huge it returns at once (5-10 us for 64 MiB). Remembering which buffers
+// collapse of a buffer takes time; on pages already huge it returns at
+// once (docs/benchmarks.md). Remembering which buffers
 // were collapsed is not enough: a buffer freed and made again at the same
 // address (variables restored, or made for another model) comes back on
 // 4 KiB pages, and the step took twice as long. It is advice: where the
@@ -853,8 +855,8 @@ ffi::Error Apply(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& learning_rate,
   // Chunks cut the shard's rows; the work is the rows received.
   const int64_t chunks = ChunksFor(runs * rows->uniques());
   // The width a constant: a row's update and its gradients' sum stay in
-  // vector registers (the merge above took 35 ns per row at width 16, and
-  // 90 ns with the width known only at run time).
+  // vector registers (with the width known only at run time the merge above
+  // took more than twice as long; docs/benchmarks.md).
   WithRowWidth(dim, [&](auto width) {
     constexpr int64_t D = decltype(width)::value;
     const RowUpdate<rule, D> update{dim,
@@ -904,8 +906,8 @@ ffi::Error UpdateWithSlot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> learning_r
 // in np.triu_indices order, and their transpose.
 //
 // XLA runs them as a batch of tiny [n, d] x [d, n] products and takes the
-// triangle after (17 ms forward and backward for 4096 samples of 27 x 16 on
-// 2 cores; a layout with the batch innermost was slower still). Here kLanes
+// triangle after (about twice the time of this kernel, docs/benchmarks.md;
+// a layout with the batch innermost was slower still). Here kLanes
 // samples go side by side, one per vector lane: a block's vectors are
 // transposed to [n, d, kLanes], so every multiply-add serves kLanes samples
 // and no sum crosses lanes. A pair's sum runs over d in order, so results do

@@ -45,13 +45,9 @@ Floating point: with `-march=native` the compiler fuses multiplies and adds
 library (one source on one machine's key) on any thread count and in every
 run (work is cut into chunks by its size alone), and may differ in the last
 bits between machines. `-ffp-contract=off` would make them the same on every
-x86-64 machine, but cost more than 5% where it mattered: per call, CPU time on
-one core of a 2-core x86-64 VM (g++ 12, `-march=native` resolved to
-cooperlake), the median of 10 runs of the best of 200 calls, the row-wise
-Adagrad update of 2 x 65,536 rows of width 16 in 1M rows went from 3.17 to
-3.40 ms (+7%), the interaction's transpose (4096 samples of 27 x 16) from
-2.89 to 3.05 ms (+6%) and its forward from 2.41 to 2.45 ms (+2%); the pooling
-and its transpose (160k entries of width 16) moved less than 2%.
+x86-64 machine, but cost up to 7% of a kernel's time where it mattered (the
+row-wise Adagrad update and the interaction; docs/benchmarks.md, "Measured
+in the CPU kernels' design").
 """
 
 from __future__ import annotations

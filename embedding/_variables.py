@@ -206,9 +206,9 @@ def _draw(initializer, shape: tuple[int, int], key: jax.Array) -> jax.Array:
 def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, sharding):
     # Alike tables are drawn and laid out by one vmapped call each (the values
     # are those of a call per table): one table at a time, the 26 tables of
-    # the Criteo config put 26 copies of the generator and of the layout in
-    # the program, which then took seconds to compile and more than half a
-    # second to load from the compilation cache at every start.
+    # the Criteo config put 26 copies of the key derivation, the generator and
+    # the layout in the program, a program slow to compile and, at every
+    # start, to load from the compilation cache (docs/benchmarks.md).
     tables = members.tables
     blocks: list[Any] = [None] * len(tables)
     batched = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
