@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from sparseflow._shipped_configs import shipped_config_names
 
 # The config of a command run without `--config`.
 DEFAULT_CONFIG = "demo"
@@ -85,10 +88,23 @@ def add_compilation_cache_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_config_argument(
+    parser: argparse.ArgumentParser, what: str = "the run's YAML config"
+) -> None:
+    """`--config C`, required: a YAML file or a shipped config's name."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        help=f"{what}, or a shipped config's name ({', '.join(shipped_config_names())})",
+    )
+
+
 def add_optional_config_argument(parser: argparse.ArgumentParser) -> None:
     """`--config C`, the shipped demo config when left out."""
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        help=f"a YAML file or a shipped config's name (default: {DEFAULT_CONFIG})",
+        help=f"a YAML file or a shipped config's name ({', '.join(shipped_config_names())}; "
+        f"default: {DEFAULT_CONFIG})",
     )

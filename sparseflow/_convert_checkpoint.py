@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparseflow import _mesh_change, _run_identity
-from sparseflow._arguments import add_devices_argument
+from sparseflow._arguments import add_config_argument, add_devices_argument
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
 from sparseflow._config import RunConfig
@@ -187,12 +187,7 @@ def _write(snapshot: Snapshot, step_folder: Path, out: Path, metadata: dict) -> 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        type=Path,
-        required=True,
-        help="the run's YAML config (or a shipped config's name), on the mesh to convert for",
-    )
+    add_config_argument(parser, "the run's YAML config on the mesh to convert for")
     add_devices_argument(parser)
     parser.add_argument(
         "--checkpoint-dir",

@@ -22,7 +22,7 @@ from pathlib import Path
 import beam_jobs
 import embedding
 import pipelines
-from sparseflow._arguments import add_devices_argument
+from sparseflow._arguments import add_config_argument, add_devices_argument
 from sparseflow._command_config import CommandConfig
 from sparseflow._config import RunConfig
 from sparseflow._runner_options import add_runner_arguments, dask_address, pipeline_args
@@ -37,12 +37,7 @@ def _headroom(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `fdo` subcommand's arguments."""
-    parser.add_argument(
-        "--config",
-        type=Path,
-        required=True,
-        help="the run's YAML config, or a shipped config's name (demo, benchmark)",
-    )
+    add_config_argument(parser)
     parser.add_argument(
         "--data",
         nargs="+",

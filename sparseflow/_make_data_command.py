@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pipelines
 from sparseflow import _stats_report
-from sparseflow._arguments import non_negative_int, positive_int
+from sparseflow._arguments import add_config_argument, non_negative_int, positive_int
 from sparseflow._command_config import CommandConfig
 from sparseflow._errors import UsageError
 
@@ -28,12 +28,7 @@ def _formats(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `make-data` subcommand's arguments."""
-    parser.add_argument(
-        "--config",
-        type=Path,
-        required=True,
-        help="the run's YAML config, or a shipped config's name (demo, benchmark, criteo)",
-    )
+    add_config_argument(parser)
     parser.add_argument(
         "--out", type=Path, help="output directory (default: the config's dataset.dir)"
     )

@@ -15,6 +15,7 @@ import pipelines
 from sparseflow import _launch, _train
 from sparseflow._arguments import (
     add_compilation_cache_argument,
+    add_config_argument,
     add_devices_argument,
     non_negative_int,
     positive_int,
@@ -28,12 +29,7 @@ _LAUNCH_TIMEOUT_S = 6 * 3600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        type=Path,
-        required=True,
-        help="the run's YAML config, or a shipped config's name (demo, benchmark)",
-    )
+    add_config_argument(parser)
     parser.add_argument(
         "--data", help="training ArrayRecord files, dir or glob (default: the config's dataset)"
     )
