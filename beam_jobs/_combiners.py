@@ -15,7 +15,7 @@ import numpy as np
 
 import embedding
 from beam_jobs._batch_stats import STAT_FIELDS, BatchStats
-from embedding._checks import check_int
+from embedding.checks import check_int
 
 _PENDING_LIMIT = 64
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9), ("max", 100.0))

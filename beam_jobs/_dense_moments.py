@@ -18,7 +18,7 @@ import apache_beam as beam
 import numpy as np
 
 import pipelines
-from pipelines._dense_moments import dense_moments_content
+from pipelines import dense_moments_content
 
 
 class Moments(NamedTuple):

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import embedding
 import pipelines
-from embedding._checks import check_int
+from embedding.checks import check_int
 
 DEFAULT_RECORDS_PER_RANGE = 8192
 DEFAULT_TOP_K = 20

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import distributed
 
-from embedding._checks import check_int
+from embedding.checks import check_int
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "dask_cluster"]
 

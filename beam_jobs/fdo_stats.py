@@ -56,7 +56,7 @@ from beam_jobs._transforms import (
     WriteFdoStatsFile,
     write_json,
 )
-from pipelines._dense_moments import DENSE_MOMENTS_NAME
+from pipelines import DENSE_MOMENTS_NAME
 
 _log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ This package imports none of sparseflow's other packages. `jte_compat` holds
 jax-tpu-embedding's names and signatures as aliases (docs/switching.md).
 """
 
-from embedding import initializers, jte_compat
+from embedding import checks, initializers, jte_compat
 from embedding._buffers import aligned_empty
 from embedding._errors import SparseflowError
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
@@ -90,6 +90,7 @@ from embedding.fdo import (
 )
 
 __all__ = [
+    "checks",
     "AdagradOptimizerSpec",
     "AdagradSlots",
     "AdamOptimizerSpec",

@@ -15,8 +15,8 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from embedding._checks import check_positive_int
 from embedding._optimizers import OptimizerSpec
+from embedding.checks import check_positive_int
 
 TableInitializer = Callable[..., Any]
 """`init(key, shape, dtype) -> array`, as `jax.nn.initializers`."""

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 
-from embedding._checks import check_positive_int
 from embedding._specs import (
     FeatureIdTransformation,
     FeatureSpec,
@@ -28,6 +27,7 @@ from embedding._specs import (
     TableSpec,
     round_up,
 )
+from embedding.checks import check_positive_int
 
 Nested = Any
 """A pytree (dict, list, tuple, ...) whose leaves are `FeatureSpec`s."""

@@ -10,8 +10,9 @@ dense features and labels, reading the keys a `RecordSchema` names.
 one's own.
 """
 
+from pipelines._array_record import ArrayRecordReader
 from pipelines._batching import BatchingConfig, BatchPlan
-from pipelines._dense_moments import DENSE_MOMENTS_NAME, load_dense_moments
+from pipelines._dense_moments import DENSE_MOMENTS_NAME, dense_moments_content, load_dense_moments
 from pipelines._device import (
     DEFAULT_INPUT_TIMEOUT_S,
     DeviceBatch,
@@ -44,6 +45,7 @@ from pipelines._preprocess_stage import (
     HostBatch,
     InputRecordError,
     PreprocessConfig,
+    PreprocessStage,
 )
 from pipelines._records import RecordFileWriter, RecordFormat, list_record_files, read_records
 from pipelines._schema import (
@@ -62,6 +64,9 @@ from pipelines._tfdata import make_tfdata_iterator
 from pipelines._tfdata_map import TFDataPreprocess
 
 __all__ = [
+    "ArrayRecordReader",
+    "PreprocessStage",
+    "dense_moments_content",
     "DEFAULT_INPUT_TIMEOUT_S",
     "DENSE_MOMENTS_NAME",
     "BadRecordError",

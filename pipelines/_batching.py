@@ -33,7 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
-from embedding._checks import check_int
+from embedding.checks import check_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
-from embedding._checks import check_int
+from embedding.checks import check_int
 from pipelines._errors import InputTimeoutError, InputWorkerError
 from pipelines._host_iterator import HostIterator
 from pipelines._packing import PackedInput

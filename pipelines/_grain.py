@@ -42,7 +42,7 @@ import numpy as np
 from absl import flags
 
 import embedding
-from embedding._checks import check_int
+from embedding.checks import check_int
 from parallel import allreduce
 from pipelines._array_record import ArrayRecordReader
 from pipelines._batching import BatchingConfig, BatchPlan

@@ -30,7 +30,7 @@ import numpy as np
 from google.protobuf import message as protobuf_message
 
 from embedding import RaggedIds
-from embedding._checks import check_int
+from embedding.checks import check_int
 from pipelines._dense_input import DenseKeys
 from pipelines._errors import DataError
 from pipelines._example_wire import (

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 import embedding
-from embedding._checks import check_int
+from embedding.checks import check_int
 from parallel import allreduce
 from pipelines._batching import BatchingConfig, BatchPlan, RecordReader
 from pipelines._errors import DataError

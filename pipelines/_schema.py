@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import math
 
-from embedding._checks import check_int, check_positive_int
+from embedding.checks import check_int, check_positive_int
 
 DENSE_KEY = "dense"
 LABEL_KEY = "label"

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from embedding import RaggedIds
-from embedding._checks import check_int
+from embedding.checks import check_int
 from pipelines._errors import DataError
 from pipelines._parse import FeatureLayout, ParsedBatch, serialize_examples
 from pipelines._records import RecordFileWriter, RecordFormat

@@ -12,7 +12,7 @@ import dataclasses
 
 import jax
 
-from embedding._checks import check_positive_int
+from embedding.checks import check_positive_int
 from sparseflow._config_checker import Node, integer, mapping, type_name
 
 AUTO = "auto"

@@ -28,8 +28,6 @@ import pipelines
 
 # pipelines has no public reader of one training batch; these are what its
 # Grain map (`pipelines/_grain.py`) reads and lays out each batch with.
-from pipelines._array_record import ArrayRecordReader
-from pipelines._preprocess_stage import PreprocessStage
 from sparseflow._steps import Stages
 
 
@@ -46,9 +44,9 @@ def read_batch(
     number: int,
 ) -> pipelines.DeviceBatch:
     """Global batch `number` of `pipelines.make_grain_iterator`, read and laid out here."""
-    reader = ArrayRecordReader(pipelines.list_record_files(data))
+    reader = pipelines.ArrayRecordReader(pipelines.list_record_files(data))
     plan = pipelines.batch_plan(reader.files.num_records, batching)
-    stage = PreprocessStage(preprocess)
+    stage = pipelines.PreprocessStage(preprocess)
     try:
         host = stage(number, reader.read(plan.record_indices(number)), plan=plan, reader=reader)
     finally:

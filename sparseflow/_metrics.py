@@ -6,20 +6,24 @@ from pathlib import Path
 
 import tqdm
 
-from pipelines._tensorflow import tf
-
 
 class MetricsWriter:
     """TensorBoard scalars in `directory` (a no-op when it is None)."""
 
     def __init__(self, directory: Path | None):
-        self._writer = tf.summary.create_file_writer(str(directory)) if directory else None
+        self._writer = None
+        if directory:
+            # TensorFlow takes seconds to import: only a run that writes metrics does.
+            import tensorflow as tf
+
+            self._writer = tf.summary.create_file_writer(str(directory))
+            self._scalar = tf.summary.scalar
 
     def scalar(self, name: str, value: float, step: int) -> None:
         if self._writer is None:
             return
         with self._writer.as_default():
-            tf.summary.scalar(name, value, step=step)
+            self._scalar(name, value, step=step)
 
     def close(self) -> None:
         if self._writer is not None:

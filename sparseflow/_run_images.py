@@ -15,7 +15,6 @@ import numpy as np
 
 import beam_jobs
 import embedding
-from pipelines._tensorflow import tf
 from sparseflow._config import RunConfig
 from sparseflow._fdo_command import configured_limits
 
@@ -39,6 +38,8 @@ def read_scalars(metrics_dir: Path) -> Scalars:
     Raises:
       FileNotFoundError: the folder holds no scalars.
     """
+    import tensorflow as tf  # seconds to import: only for the images
+
     points: dict[str, dict[int, float]] = {}
     for path in sorted(Path(metrics_dir).glob("events.out.tfevents.*")):
         for record in tf.data.TFRecordDataset(str(path)):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from embedding._checks import check_positive_int
+from embedding.checks import check_positive_int
 from parallel.pipeshard import PipelineSchedule
 
 LAYER_CHOICES = ("manual", "auto")

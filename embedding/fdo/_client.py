@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from embedding._checks import is_int
 from embedding._preprocess import SparseDenseMatmulInputStats
+from embedding.checks import is_int
 from embedding.fdo._file import FdoStats, FdoStatsError, StackFdoStats
 from embedding.fdo._geometry import LIMIT_FIELDS, FdoGeometry
 from embedding.fdo._layout import FdoLayout

@@ -78,8 +78,8 @@ from typing import Any
 import numpy as np
 
 from embedding._buffers import INT32_MAX
-from embedding._checks import check_int
 from embedding._errors import SparseflowError
+from embedding.checks import check_int
 from embedding.fdo._batch_order import FdoBatchOrder
 from embedding.fdo._geometry import LIMIT_FIELDS, FdoGeometry, stat_sizes
 from embedding.fdo._invariants import BATCH_MAX_PERCENTILES, check_stack

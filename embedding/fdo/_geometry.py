@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from embedding._buffers import INT32_MAX
-from embedding._checks import check_positive_int
 from embedding._stacking import check_partition_count
+from embedding.checks import check_positive_int
 
 LIMIT_FIELDS = (
     "max_ids_per_partition",

@@ -11,10 +11,10 @@ from typing import NamedTuple
 import jax
 
 from embedding._buffers import INT32_MAX
-from embedding._checks import check_positive_int
 from embedding._preprocess import SparseDenseMatmulInputStats
 from embedding._specs import FeatureSpec, round_up
 from embedding._stacking import Nested, get_stacked_table_specs, prepare_feature_specs_for_training
+from embedding.checks import check_positive_int
 from embedding.fdo._file import FdoStats, StackFdoStats
 from embedding.fdo._geometry import LIMIT_FIELDS, FdoGeometry
 

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from embedding._checks import check_positive_int
+from embedding.checks import check_positive_int
 
 
 class PipelineSchedule(enum.Enum):

@@ -1,4 +1,4 @@
-"""Argument checks shared by every package (embedding is imported by all of them).
+"""Argument checks shared by every package (`embedding.checks`; embedding is imported by all).
 
 An integer check that also rejects `bool` (a subclass of `int`): `True`
 passed for a count is a mistake, not 1.
