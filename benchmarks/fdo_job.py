@@ -55,7 +55,7 @@ from beam_jobs._batch_stats import BatchStatsComputer
 from beam_jobs._batches import check_records, concat_rows, slice_rows, take_rows
 from beam_jobs.dask_cluster import dask_cluster
 from sparseflow import load_config, shipped_config
-from sparseflow._fdo_command import job_config
+from sparseflow._fdo_run import job_config
 
 CONFIG = shipped_config("demo")
 _CHUNK = 8192

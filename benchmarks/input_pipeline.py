@@ -101,7 +101,7 @@ from _alternating import alternating  # noqa: E402
 
 import beam_jobs  # noqa: E402
 import pipelines  # noqa: E402
-from sparseflow import _fdo_command, _train, shipped_config  # noqa: E402
+from sparseflow import _fdo_run, _train, shipped_config  # noqa: E402
 from sparseflow._config import RunConfig, load_config  # noqa: E402
 from sparseflow._metrics import MetricsWriter  # noqa: E402
 
@@ -128,7 +128,7 @@ def demo_inputs(config: RunConfig, directory: str) -> tuple[str, list[str], Path
     )
     data = os.path.join(directory, "arrayrecord")
     fdo_dir = Path(directory) / "fdo"
-    beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(fdo_dir))
+    beam_jobs.run_fdo_job(_fdo_run.job_config(config), [data], str(fdo_dir))
     return data, files["tfrecord"], fdo_dir
 
 

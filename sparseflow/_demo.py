@@ -22,11 +22,11 @@ from pathlib import Path
 
 import beam_jobs
 import embedding
-from sparseflow import _demo_folder, _fdo_command, _run_images, _stats_report, _train
+from sparseflow import _datasets, _demo_folder, _fdo_run, _run_images, _train
 from sparseflow._config import RunConfig
 from sparseflow._config_mesh import devices_noun
 from sparseflow._errors import UsageError
-from sparseflow._train_command import summary
+from sparseflow._train_summary import summary
 
 RUN_DIR_NAME = "demo_run"
 FDO_IMAGE = "fdo.png"
@@ -54,16 +54,16 @@ def claim_run_dir(config: RunConfig) -> Path:
 
 
 def ensure_data(config: RunConfig) -> None:
-    if not _stats_report.dataset_exists(config):
-        examples = _stats_report.synthetic(config, "the demo").examples
+    if not _datasets.dataset_exists(config):
+        examples = _datasets.synthetic(config, "the demo").examples
         print(f"Writing {examples:,} training examples to {config.dataset.dir} ...")
-        _stats_report.make_dataset(config)
-    _stats_report.checked_manifest(config)
-    held_out = _stats_report.held_out_dir(config)
-    if not (held_out / _stats_report.MANIFEST_NAME).is_file():
+        _datasets.make_dataset(config)
+    _datasets.checked_manifest(config)
+    held_out = _datasets.held_out_dir(config)
+    if not (held_out / _datasets.MANIFEST_NAME).is_file():
         examples = config.synthetic.eval_examples
         print(f"Writing {examples:,} held-out examples to {held_out} ...")
-        _stats_report.make_held_out(config)
+        _datasets.make_held_out(config)
 
 
 def run_fdo(config: RunConfig, data: str, folder: Path) -> tuple[Path, str]:
@@ -74,7 +74,7 @@ def run_fdo(config: RunConfig, data: str, folder: Path) -> tuple[Path, str]:
     another config or dataset, must not be there.
     """
     out = folder / "fdo"
-    result = beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(out))
+    result = beam_jobs.run_fdo_job(_fdo_run.job_config(config), [data], str(out))
     _run_images.draw_fdo(config, result.stats, folder / FDO_IMAGE)
     limits = embedding.fdo_limits(result.stats, headroom=config.training.fdo_headroom)
     lines = [f"FDO: {result.stats.batches} batches -> {result.stats_path}"]
@@ -100,7 +100,7 @@ def run(config: RunConfig, *, progress: bool = True) -> str:
         config,
         _train.TrainOptions(
             data=data,
-            eval_data=str(_stats_report.held_out_dir(config) / "arrayrecord"),
+            eval_data=str(_datasets.held_out_dir(config) / "arrayrecord"),
             fdo_dir=fdo_dir,
             checkpoint_dir=checkpoints,
             metrics_dir=metrics,

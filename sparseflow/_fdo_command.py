@@ -21,10 +21,9 @@ from pathlib import Path
 
 import beam_jobs
 import embedding
-import pipelines
 from sparseflow._arguments import add_config_argument, add_devices_argument
 from sparseflow._command_config import CommandConfig
-from sparseflow._config import RunConfig
+from sparseflow._fdo_run import configured_limits, job_config
 from sparseflow._runner_options import add_runner_arguments, dask_address, pipeline_args
 
 
@@ -58,40 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_devices_argument(parser)
     add_runner_arguments(parser)
-
-
-def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
-    """The FDO job's view of a run config: training's batches; the stats carry its layout."""
-    mesh = config.mesh
-    return beam_jobs.FdoJobConfig(
-        feature_specs=config.feature_specs,
-        # The moments of standardized keys are those of the raw values.
-        layout=pipelines.FeatureLayout.from_schema(config.layout.schema.without_standardization()),
-        moments_schema=config.layout.schema if config.layout.schema.standardized() else None,
-        geometry=embedding.FdoGeometry(
-            global_batch_size=config.global_batch_size,
-            devices=mesh.devices,
-            partitions_per_device=mesh.partitions_per_device,
-            processes=mesh.processes,
-        ),
-        config_hash=config.config_hash,
-        fdo_layout=config.fdo_layout,
-        training_order=beam_jobs.TrainingOrder(
-            shuffle_seed=config.seed if config.training.shuffle else None,
-            epochs=config.training.epochs,
-        ),
-    )
-
-
-def configured_limits(config: RunConfig) -> dict[str, int]:
-    """Per stacked table, the `max_ids_per_partition` the config sets (what FDO replaces)."""
-    prepared = embedding.prepare_feature_specs_for_training(
-        config.feature_specs, config.mesh.devices, config.mesh.partitions_per_device
-    )
-    return {
-        name: stack.max_ids_per_partition
-        for name, stack in embedding.get_stacked_table_specs(prepared).items()
-    }
 
 
 def run(args: argparse.Namespace, command_config: CommandConfig) -> None:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 import pipelines
-from sparseflow import _stats_report
+from sparseflow import _datasets
 from sparseflow._arguments import add_config_argument, non_negative_int, positive_int
 from sparseflow._command_config import CommandConfig
 from sparseflow._errors import UsageError
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
     config = command_config.load()
-    described = _stats_report.synthetic(config, "make-data")
+    described = _datasets.synthetic(config, "make-data")
     out = args.out or config.dataset.dir
     examples = args.examples or described.examples
     shards = args.shards or described.shards

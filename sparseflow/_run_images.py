@@ -16,7 +16,7 @@ import numpy as np
 import beam_jobs
 import embedding
 from sparseflow._config import RunConfig
-from sparseflow._fdo_command import configured_limits
+from sparseflow._fdo_run import configured_limits
 
 Scalars = dict[str, tuple[np.ndarray, np.ndarray]]
 """`{tag: (steps: int[n], values: float[n])}`, by step."""

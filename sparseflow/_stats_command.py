@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparseflow import _stats_report
+from sparseflow import _datasets, _stats_report
 from sparseflow._arguments import (
     add_devices_argument,
     add_optional_config_argument,
@@ -25,13 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
     config = command_config.load()
-    if not _stats_report.dataset_exists(config):
+    if not _datasets.dataset_exists(config):
         print(
             f"Writing the synthetic dataset "
-            f"({_stats_report.synthetic(config, 'stats').examples:,} examples) "
+            f"({_datasets.synthetic(config, 'stats').examples:,} examples) "
             f"to {config.dataset.dir} ..."
         )
-        _stats_report.make_dataset(config)
+        _datasets.make_dataset(config)
     result = _stats_report.run_stats(config, max_batches=args.batches)
     print(
         f"{config.name}: {devices_noun(config.mesh.devices)} x "

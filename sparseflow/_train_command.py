@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from sparseflow._checkpoint import CheckpointMismatchError
 from sparseflow._command_config import CommandConfig
 from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
+from sparseflow._train_summary import summary
 
 _LAUNCH_TIMEOUT_S = 6 * 3600.0
 
@@ -187,19 +187,4 @@ def options(args: argparse.Namespace, config: RunConfig) -> _train.TrainOptions:
         agreement_port=args.agreement_port,
         agreement_hosts=args.agreement_hosts.split(",") if args.agreement_hosts else None,
         input_timeout_s=args.input_timeout,
-    )
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:.4f}"
-
-
-def summary(config: RunConfig, result: _train.TrainResult) -> str:
-    tail = result.losses[-config.training.log_every :]
-    mean_loss = sum(tail) / len(tail) if tail else float("nan")
-    return (
-        f"trained {result.steps} steps of {config.global_batch_size} examples "
-        f"({result.examples_per_s:,.0f} examples/s, {result.seconds:.1f} s): "
-        f"loss {_fmt(mean_loss)}, train AUC {_fmt(result.train_auc)}, "
-        f"eval AUC {_fmt(result.eval_auc)}"
     )

@@ -1,5 +1,7 @@
 """The `sparseflow` command line: make-data, stats, and one-line user errors."""
 
+import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from array_record.python import array_record_module
 
 import pipelines
 import sparseflow
-from sparseflow import _cli, _stats_report, load_config, shipped_config
+from sparseflow import _cli, _datasets, load_config, shipped_config
 
 BATCH = 32
 
@@ -212,7 +214,7 @@ def test_a_bug_is_an_internal_error_not_a_user_error(tmp_path, monkeypatch, caps
     def broken(*args, **kwargs):
         raise bug("bug")
 
-    monkeypatch.setattr(_stats_report, "dataset_exists", broken)
+    monkeypatch.setattr(_datasets, "dataset_exists", broken)
     assert _cli.main(["stats", "--config", str(_config(tmp_path))]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"internal error: {bug.__name__}: bug\n")
@@ -224,7 +226,7 @@ def test_a_bug_raises_with_its_traceback_when_verbose(tmp_path, monkeypatch, bug
     def broken(*args, **kwargs):
         raise bug("bug")
 
-    monkeypatch.setattr(_stats_report, "dataset_exists", broken)
+    monkeypatch.setattr(_datasets, "dataset_exists", broken)
     with pytest.raises(bug, match="bug"):
         _cli.main(["stats", "--verbose", "--config", str(_config(tmp_path))])
 
@@ -383,3 +385,19 @@ def test_the_progress_bar_is_off_where_stderr_is_no_terminal():
         assert bar._bar.disable
     finally:
         bar.close()
+
+
+def test_no_command_module_imports_another():
+    """Commands sit on library modules (`_datasets`, `_fdo_run`, `_train`, ...):
+    a command's module, and the demo's, import none of the command modules."""
+    commands = {command.module for command in _cli._COMMANDS.values()}
+    importers = commands | {"sparseflow._demo"}
+    for module in sorted(importers):
+        path = Path(importlib.import_module(module).__file__)
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        assert not imported & (commands - {module}), f"{module} imports a command module"

@@ -23,7 +23,7 @@ import pipelines
 from sparseflow import (
     ConfigError,
     _cli,
-    _fdo_command,
+    _fdo_run,
     _launch,
     _run_identity,
     _train,
@@ -168,7 +168,7 @@ def test_fdo_stats_carry_the_resolved_count(tmp_path):
     path = _auto_config(tmp_path)
     for devices in (1, 8):
         config = load_config(path, devices=devices)
-        geometry = _fdo_command.job_config(config).geometry
+        geometry = _fdo_run.job_config(config).geometry
         assert (geometry.devices, _train.fdo_geometry(config).devices) == (devices, devices)
     assert load_config(path, devices=1).fdo_layout != load_config(path, devices=8).fdo_layout
 

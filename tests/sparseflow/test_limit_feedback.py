@@ -21,7 +21,7 @@ from train_cases import write_data
 import beam_jobs
 import embedding
 import pipelines
-from sparseflow import _fdo_command, _limit_feedback, _train, load_config
+from sparseflow import _fdo_run, _limit_feedback, _train, load_config
 from sparseflow._checkpoint import Checkpoints
 
 EXAMPLES = 640
@@ -70,7 +70,7 @@ def census(tmp_path_factory):
     config = load_config(path)
     fdo_data = write_data(config, tmp / "fdo_data", examples=EXAMPLES, seed=1)
     fdo_dir = tmp / "fdo"
-    beam_jobs.run_fdo_job(_fdo_command.job_config(config), fdo_data, str(fdo_dir))
+    beam_jobs.run_fdo_job(_fdo_run.job_config(config), fdo_data, str(fdo_dir))
     data = write_data(config, tmp / "data", examples=EXAMPLES, seed=2)
     return tmp, path, config, data, fdo_dir
 
@@ -163,7 +163,7 @@ def test_processes_agree_on_a_raise_and_go_on_as_if_started_from_it(census):
     config = load_config(two)
     fdo_dir = tmp / "fdo-two-processes"
     fdo_data = write_data(config, tmp / "fdo-data-two-processes", examples=EXAMPLES, seed=1)
-    beam_jobs.run_fdo_job(_fdo_command.job_config(config), fdo_data, str(fdo_dir))
+    beam_jobs.run_fdo_job(_fdo_run.job_config(config), fdo_data, str(fdo_dir))
     # Data (of seed 6) whose batch 3 breaches on process 0's rows only, two batches in flight.
     data = write_data(config, tmp / "late-two-processes", examples=EXAMPLES, seed=6)
 

@@ -13,7 +13,7 @@ import yaml
 import beam_jobs
 import pipelines
 from pipelines._records import RecordFileWriter
-from sparseflow import ConfigError, _cli, _fdo_command, _stats_report, _train, load_config
+from sparseflow import ConfigError, _cli, _fdo_run, _stats_report, _train, load_config
 
 
 def _table(name: str, vocabulary: int) -> dict:
@@ -294,7 +294,7 @@ def test_fdo_job_computes_the_moments_training_standardizes_with(tmp_path):
     records = _records(np.random.default_rng(3), 640)
     data = _write_records(tmp_path / "train", records)
     out = tmp_path / "fdo"
-    beam_jobs.run_fdo_job(_fdo_command.job_config(config), [data], str(out))
+    beam_jobs.run_fdo_job(_fdo_run.job_config(config), [data], str(out))
     # Reference: numpy float64 over the records' `score` (default 0.0 when absent).
     scores = np.array(
         [
