@@ -102,8 +102,8 @@ from _alternating import alternating  # noqa: E402
 import beam_jobs  # noqa: E402
 import pipelines  # noqa: E402
 from sparseflow import _fdo_run, _train, shipped_config  # noqa: E402
-from sparseflow._config import RunConfig, load_config  # noqa: E402
 from sparseflow._metrics import MetricsWriter  # noqa: E402
+from sparseflow.config._run_config import RunConfig, load_config  # noqa: E402
 
 CONFIG = shipped_config("demo")
 # Steps at the start of each block left out: the workers refill their buffers

@@ -6,16 +6,19 @@ this package only wires them together for a run described by a YAML config.
 
 # First: it sets the logging environment before the imports below load TensorFlow and Beam.
 from sparseflow import _quiet_imports  # noqa: F401
-from sparseflow._config import RunConfig, load_config
-from sparseflow._config_checker import ConfigError
-from sparseflow._config_dataset import DatasetConfig
-from sparseflow._config_mesh import MeshConfig
-from sparseflow._config_preprocessing import PreprocessingConfig
 from sparseflow._errors import SparseflowError, UsageError
 from sparseflow._shipped_configs import shipped_config, shipped_config_names
 from sparseflow._train import TrainResult
 from sparseflow._trainer import Trainer
 from sparseflow._version import __version__
+from sparseflow.config import (
+    ConfigError,
+    DatasetConfig,
+    MeshConfig,
+    PreprocessingConfig,
+    RunConfig,
+    load_config,
+)
 
 __all__ = [
     "ConfigError",

@@ -44,8 +44,8 @@ from embedding import SparseflowError
 from sparseflow import _compilation_cache, _logging
 from sparseflow._arguments import subcommand
 from sparseflow._command_config import CommandConfig
-from sparseflow._config import RunConfig
 from sparseflow._version import __version__
+from sparseflow.config._run_config import RunConfig
 
 _USER_ERROR_EXIT = 2
 _INTERNAL_ERROR_EXIT = 1

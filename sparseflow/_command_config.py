@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparseflow._config import EarlySettings, RunConfig, load_config, read_early_settings
-from sparseflow._config_mesh import AUTO, DeviceCount
 from sparseflow._shipped_configs import shipped_config
+from sparseflow.config._mesh import AUTO, DeviceCount
+from sparseflow.config._run_config import EarlySettings, RunConfig, load_config, read_early_settings
 
 
 def config_location(config: str | os.PathLike) -> tuple[Path, Path | None]:

@@ -35,11 +35,11 @@ from sparseflow import _mesh_change, _run_identity
 from sparseflow._arguments import add_config_argument, add_devices_argument
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
-from sparseflow._config import RunConfig
-from sparseflow._config_mesh import MeshConfig
 from sparseflow._dense_model import dense_model
 from sparseflow._errors import UsageError
 from sparseflow._train import dense_state
+from sparseflow.config._mesh import MeshConfig
+from sparseflow.config._run_config import RunConfig
 
 _log = logging.getLogger(__name__)
 

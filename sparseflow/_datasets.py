@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 import pipelines
-from sparseflow._config import RunConfig
-from sparseflow._config_synthetic import SyntheticConfig
+from sparseflow.config._run_config import RunConfig
+from sparseflow.config._synthetic import SyntheticConfig
 
 MANIFEST_NAME = "dataset.json"
 

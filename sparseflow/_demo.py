@@ -23,10 +23,10 @@ from pathlib import Path
 import beam_jobs
 import embedding
 from sparseflow import _datasets, _demo_folder, _fdo_run, _run_images, _train
-from sparseflow._config import RunConfig
-from sparseflow._config_mesh import devices_noun
 from sparseflow._errors import UsageError
 from sparseflow._train_summary import summary
+from sparseflow.config._mesh import devices_noun
+from sparseflow.config._run_config import RunConfig
 
 RUN_DIR_NAME = "demo_run"
 FDO_IMAGE = "fdo.png"

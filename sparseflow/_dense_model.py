@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 import embedding
 from sparseflow import _model
-from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
+from sparseflow.config._run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

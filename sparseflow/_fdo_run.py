@@ -5,7 +5,7 @@ from __future__ import annotations
 import beam_jobs
 import embedding
 import pipelines
-from sparseflow._config import RunConfig
+from sparseflow.config._run_config import RunConfig
 
 
 def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:

@@ -30,8 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
 from sparseflow._checkpoint import Reading, Snapshot
-from sparseflow._config import RunConfig
-from sparseflow._config_mesh import MeshConfig, devices_noun
+from sparseflow.config._mesh import MeshConfig, devices_noun
+from sparseflow.config._run_config import RunConfig
 
 _log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 import pipelines
-from sparseflow._config import RunConfig
+from sparseflow.config._run_config import RunConfig
 
 # Bytes read from each end of a data file for its fingerprint: enough to tell
 # regenerated data from the original without reading whole files.

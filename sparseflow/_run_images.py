@@ -15,8 +15,8 @@ import numpy as np
 
 import beam_jobs
 import embedding
-from sparseflow._config import RunConfig
 from sparseflow._fdo_run import configured_limits
+from sparseflow.config._run_config import RunConfig
 
 Scalars = dict[str, tuple[np.ndarray, np.ndarray]]
 """`{tag: (steps: int[n], values: float[n])}`, by step."""

@@ -11,7 +11,7 @@ from sparseflow._arguments import (
     positive_int,
 )
 from sparseflow._command_config import CommandConfig
-from sparseflow._config_mesh import devices_noun
+from sparseflow.config._mesh import devices_noun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

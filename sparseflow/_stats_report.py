@@ -19,10 +19,10 @@ import tqdm
 
 import embedding
 import pipelines
-from sparseflow._config import RunConfig
 from sparseflow._datasets import checked_manifest
 from sparseflow._id_coverage import FeatureCoverage, IdCoverage, format_coverage
 from sparseflow._text_table import aligned_table
+from sparseflow.config._run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -40,10 +40,10 @@ from sparseflow import (
     _run_identity,
 )
 from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
-from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
 from sparseflow._metrics import MetricsWriter, Progress
 from sparseflow._steps import DenseInputs, Stages, TrainState, init_train_state, replicate
+from sparseflow.config._run_config import RunConfig
 
 _log = logging.getLogger(__name__)
 

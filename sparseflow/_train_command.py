@@ -21,9 +21,9 @@ from sparseflow._arguments import (
 )
 from sparseflow._checkpoint import CheckpointMismatchError
 from sparseflow._command_config import CommandConfig
-from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
 from sparseflow._train_summary import summary
+from sparseflow.config._run_config import RunConfig
 
 _LAUNCH_TIMEOUT_S = 6 * 3600.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from sparseflow import _train
-from sparseflow._config import RunConfig
+from sparseflow.config._run_config import RunConfig
 
 
 def _fmt(value: float | None) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 
 from sparseflow import _train
 from sparseflow._command_config import CommandConfig
-from sparseflow._config import RunConfig
 from sparseflow._errors import UsageError
+from sparseflow.config._run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)

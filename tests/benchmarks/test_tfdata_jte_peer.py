@@ -11,7 +11,7 @@ import pytest
 import embedding
 import pipelines
 from sparseflow import shipped_config
-from sparseflow._config import load_config
+from sparseflow.config._run_config import load_config
 
 jte = pytest.importorskip("jax_tpu_embedding.sparsecore.lib.nn.embedding")
 

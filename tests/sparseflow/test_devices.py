@@ -31,7 +31,7 @@ from sparseflow import (
     shipped_config,
 )
 from sparseflow._command_config import CommandConfig
-from sparseflow._config_mesh import DeviceCount, devices_noun
+from sparseflow.config._mesh import DeviceCount, devices_noun
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""A config's `record` section (sparseflow/_config_record.py): loading, errors, training."""
+"""A config's `record` section (sparseflow/config/_record.py): loading, errors, training."""
 
 from __future__ import annotations
 

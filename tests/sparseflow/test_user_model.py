@@ -15,8 +15,8 @@ from train_cases import assert_bitwise_equal_runs
 import embedding
 import sparseflow
 from sparseflow import _dense_model, _in_flight, _train, load_config
-from sparseflow._config_checker import ConfigError
 from sparseflow._errors import UsageError
+from sparseflow.config._checker import ConfigError
 
 
 def _config(small_run, name: str, model: dict):

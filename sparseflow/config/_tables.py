@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import embedding
 from embedding import initializers
-from sparseflow._config_checker import (
+from sparseflow.config._checker import (
     Node,
     build,
     check_kind,
@@ -17,7 +17,7 @@ from sparseflow._config_checker import (
     named_list,
     typed_spec,
 )
-from sparseflow._config_mesh import MeshConfig
+from sparseflow.config._mesh import MeshConfig
 
 _OPTIMIZERS: dict[str, type[embedding.OptimizerSpec]] = {
     "sgd": embedding.SGDOptimizerSpec,

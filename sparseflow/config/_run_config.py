@@ -7,7 +7,7 @@ and the features that read them, what the records hold, where they are, and
 (misspelled) or mistyped key is a `ConfigError` naming the file and the YAML
 path of the entry, e.g. `configs/x.yaml: features[3].table: unknown table
 'foo'; known tables: a, b`. Each section is read by its own module
-(`_config_<section>.py`) with the generic checker of `_config_checker.py`.
+(`_<section>.py`) with the generic checker of `_checker.py`.
 
 Example:
   >>> config = load_config(shipped_config("demo"))       # doctest: +SKIP
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import embedding
 import pipelines
-from sparseflow._config_checker import (
+from sparseflow._model import ModelConfig, check_feature_dims
+from sparseflow.config._checker import (
     Node,
     build,
     get,
@@ -36,21 +37,20 @@ from sparseflow._config_checker import (
     naming_moved_keys,
     parse_yaml,
 )
-from sparseflow._config_dataset import DatasetConfig, read_dataset
-from sparseflow._config_features import Feature, read_features
-from sparseflow._config_mesh import (
+from sparseflow.config._dataset import DatasetConfig, read_dataset
+from sparseflow.config._features import Feature, read_features
+from sparseflow.config._mesh import (
     DeviceCount,
     MeshConfig,
     read_global_batch_size,
     read_mesh,
     written_devices,
 )
-from sparseflow._config_preprocessing import PreprocessingConfig, read_preprocessing
-from sparseflow._config_record import read_record
-from sparseflow._config_synthetic import SyntheticConfig, read_synthetic
-from sparseflow._config_tables import apply_stacks, check_tables_used, read_tables
-from sparseflow._config_training import TrainingConfig, read_model, read_training
-from sparseflow._model import ModelConfig, check_feature_dims
+from sparseflow.config._preprocessing import PreprocessingConfig, read_preprocessing
+from sparseflow.config._record import read_record
+from sparseflow.config._synthetic import SyntheticConfig, read_synthetic
+from sparseflow.config._tables import apply_stacks, check_tables_used, read_tables
+from sparseflow.config._training import TrainingConfig, read_model, read_training
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import embedding
-from sparseflow._config_checker import Node, build, get, mapping, named_list
+from sparseflow.config._checker import Node, build, get, mapping, named_list
 
 
 @dataclasses.dataclass(frozen=True)

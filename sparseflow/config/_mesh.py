@@ -13,7 +13,7 @@ import dataclasses
 import jax
 
 from embedding.checks import check_positive_int
-from sparseflow._config_checker import Node, integer, mapping, type_name
+from sparseflow.config._checker import Node, integer, mapping, type_name
 
 AUTO = "auto"
 MESH_KEYS = (("devices", "partitions_per_device"), ("processes",))

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pipelines
 from parallel import allreduce
-from sparseflow._config_checker import (
+from sparseflow._model import ModelConfig
+from sparseflow._tower_config import read_pipeshard, read_tower
+from sparseflow.config._checker import (
     Node,
     build,
     check_kind,
@@ -17,8 +19,6 @@ from sparseflow._config_checker import (
     mapping,
     path,
 )
-from sparseflow._model import ModelConfig
-from sparseflow._tower_config import read_pipeshard, read_tower
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

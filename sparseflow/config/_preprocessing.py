@@ -6,7 +6,7 @@ import dataclasses
 
 import embedding
 import pipelines
-from sparseflow._config_checker import Node, enum_choice, get, mapping
+from sparseflow.config._checker import Node, enum_choice, get, mapping
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

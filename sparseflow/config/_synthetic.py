@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import embedding
 import pipelines
-from sparseflow._config_checker import Node, build, check_kind, get, integer, mapping
+from sparseflow.config._checker import Node, build, check_kind, get, integer, mapping
 
 _DEFAULT_ZIPF_EXPONENT = 1.1
 

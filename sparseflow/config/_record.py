@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import embedding
 import pipelines
-from sparseflow._config_checker import (
+from sparseflow.config._checker import (
     Node,
     build,
     check_kind,

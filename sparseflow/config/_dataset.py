@@ -17,7 +17,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from sparseflow._config_checker import Node, check_kind, get, mapping
+from sparseflow.config._checker import Node, check_kind, get, mapping
 
 SYNTHETIC_TRAIN_DIR = "arrayrecord"
 
