@@ -11,6 +11,7 @@ from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._interaction import pairwise_dots
 from embedding._layout import LimitBreachError
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
+from embedding._mesh_geometry import MeshGeometry
 from embedding._minibatch import AllReduceInterface
 from embedding._optimizers import (
     AdagradOptimizerSpec,
@@ -111,6 +112,7 @@ __all__ = [
     "InvalidIdPolicy",
     "LayoutIndex",
     "LimitBreachError",
+    "MeshGeometry",
     "LimitRaises",
     "OnMismatch",
     "OptimizerSpec",

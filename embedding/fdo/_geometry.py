@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from embedding._buffers import INT32_MAX
-from embedding._stacking import check_partition_count
+from embedding._mesh_geometry import MeshGeometry
 from embedding.checks import check_positive_int
 
 LIMIT_FIELDS = (
@@ -17,45 +17,25 @@ LIMIT_FIELDS = (
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FdoGeometry:
+class FdoGeometry(MeshGeometry):
     """The batch geometry stats are computed for; other geometries need other stats.
 
     Attributes:
-      global_batch_size: B, examples per global batch.
-      devices: G, devices over all hosts.
-      partitions_per_device: S.
-      processes: P, hosts; host h takes rows `[h*B/P, (h+1)*B/P)` of a batch.
+      global_batch_size: B, examples per global batch, a multiple of N.
+      devices, partitions_per_device, processes: the mesh (`MeshGeometry`);
+        host h takes rows `[h*B/P, (h+1)*B/P)` of a batch.
     """
 
     global_batch_size: int
-    devices: int
-    partitions_per_device: int
-    processes: int = 1
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            check_positive_int(getattr(self, field.name), f"FdoGeometry.{field.name}")
-        check_partition_count(self.devices, self.partitions_per_device)
-        if self.devices % self.processes:
-            raise ValueError(
-                f"FdoGeometry: {self.processes} processes cannot share {self.devices} "
-                "devices evenly."
-            )
+        check_positive_int(self.global_batch_size, "FdoGeometry.global_batch_size")
+        super().__post_init__()
         if self.global_batch_size % self.num_partitions:
             raise ValueError(
                 f"FdoGeometry: global_batch_size {self.global_batch_size} must be a "
                 f"multiple of devices x partitions_per_device = {self.num_partitions}."
             )
-
-    @property
-    def num_partitions(self) -> int:
-        """N = G * S."""
-        return self.devices * self.partitions_per_device
-
-    @property
-    def local_devices(self) -> int:
-        """L = G / P, devices of one host."""
-        return self.devices // self.processes
 
 
 def stat_sizes(geometry: FdoGeometry) -> dict[str, int]:

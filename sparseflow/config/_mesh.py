@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 
+import embedding
 from embedding.checks import check_positive_int
 from sparseflow.config._checker import Node, integer, mapping, type_name
 
@@ -20,42 +21,8 @@ MESH_KEYS = (("devices", "partitions_per_device"), ("processes",))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshConfig:
-    """The device mesh.
-
-    Attributes:
-      devices: G, devices over all hosts.
-      partitions_per_device: S, embedding partitions ("sparse cores") per device.
-      processes: hosts (one process each); each holds `devices / processes`.
-    """
-
-    devices: int
-    partitions_per_device: int
-    processes: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("devices", "partitions_per_device", "processes"):
-            check_positive_int(getattr(self, name), name)
-        n = self.num_partitions
-        if n & (n - 1):
-            raise ValueError(
-                f"devices ({self.devices}) x partitions_per_device "
-                f"({self.partitions_per_device}) = {n} partitions; this must be a power of two"
-            )
-        if self.devices % self.processes:
-            raise ValueError(
-                f"{self.processes} processes cannot share {self.devices} devices evenly"
-            )
-
-    @property
-    def num_partitions(self) -> int:
-        """N = G * S, a power of two."""
-        return self.devices * self.partitions_per_device
-
-    @property
-    def local_devices(self) -> int:
-        """Devices of one host."""
-        return self.devices // self.processes
+class MeshConfig(embedding.MeshGeometry):
+    """The config's `mesh` section: the run's `embedding.MeshGeometry`."""
 
 
 @dataclasses.dataclass(frozen=True)
