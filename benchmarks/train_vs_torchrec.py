@@ -31,8 +31,11 @@ into `--data-dir` and reused, as everything below that is not timed.
     with the config's record layout: the same FarmHash ids modulo 100,000,
     log1p counts and labels), in file order, cycled: its cheapest input.
 
-Each round runs TorchRec, ours on 1 device and ours on 8 devices (`--no-8dev`
-skips it), every other round in reverse order. A step of ours is a call of
+Each round runs TorchRec, ours on 1 device, ours on 1 device with the same
+DLRM as a user's Flax NNX model on the `embedding.nnx` layer (`model.module:
+sparseflow.towers:Dlrm`, its `args` the config's tower keys; the functional
+run's FDO stats) and ours on 8 devices (`--no-8dev` skips it), every other
+round in reverse order. A step of ours is a call of
 the trainer's loop plus the loop's wait for that call's batch
 (`TrainResult.input_wait_seconds`; the wait falls outside the call); a step
 of TorchRec is zero_grad, forward, loss, backward and the optimizer step. Per
@@ -54,7 +57,8 @@ run without it): `first_run_first_step_s`, `second_run_first_step_s`.
 `ratio_vs_torchrec_e2e` is our 1-device steady-state examples/s over
 TorchRec's (above 1 we are faster), `_8dev` the same for 8 devices,
 `_whole_run` on whole-run examples/s, `ours_8dev_over_1dev` ours on 8 devices
-over ours on 1: each the median of the rounds' ratios. Every run's own output
+over ours on 1, `ratio_nnx_vs_functional` the NNX run over ours on 1 device:
+each the median of the rounds' ratios. Every run's own output
 is kept in `--data-dir`/last-run. The last line printed is one JSON object.
 
     python benchmarks/train_vs_torchrec.py [--lines 300000] [--steps 130] [--rounds 3]
@@ -95,7 +99,10 @@ BATCH = 4096
 LOSS_WINDOW = 20
 CACHE_RUN_STEPS = 5
 COMPILATION_CACHE = "SPARSEFLOW_COMPILATION_CACHE"
-DEVICES = {"ours": 1, "ours_8dev": 8}
+DEVICES = {"ours": 1, "ours_nnx": 1, "ours_8dev": 8}
+# The shipped DLRM as a user's NNX model (`model.module`) on the layer, in
+# place of the config's functional tower: the same model, the other path.
+NNX_DLRM = "sparseflow.towers:Dlrm"
 
 
 def parse_args() -> argparse.Namespace:
@@ -153,16 +160,23 @@ def import_records(args: argparse.Namespace, log: Path) -> Path:
     return _cached_dir(out, lambda partial: _run([*command, "--out", str(partial)]))
 
 
-def derived_config(args: argparse.Namespace, records: Path, devices: int, epochs: int) -> Path:
-    """The shipped `criteo` config as the benchmark runs it, written as YAML."""
+def derived_config(
+    args: argparse.Namespace, records: Path, devices: int, epochs: int, *, nnx: bool = False
+) -> Path:
+    """The shipped `criteo` config as the benchmark runs it, written as YAML; with
+    `nnx`, its tower as the NNX module `NNX_DLRM` (`model.module`)."""
     with open(sparseflow.shipped_config("criteo")) as file:
         raw = yaml.safe_load(file)
-    raw["name"] = f"criteo-benchmark-{devices}dev"
+    if nnx:
+        model = raw["model"]
+        tower = {key: model.pop(key) for key in ("bottom_mlp", "top_mlp", "feature_projection")}
+        raw["model"] = {"module": NNX_DLRM, "args": tower, **model}
+    raw["name"] = f"criteo-benchmark-{devices}dev" + ("-nnx" if nnx else "")
     raw["global_batch_size"] = BATCH
     raw["mesh"]["devices"] = devices
     raw["dataset"] = {"dir": str(args.data_dir), "train": str(records)}
     raw["training"].update(steps=args.steps, epochs=epochs)
-    path = args.data_dir / f"{records.name}-{devices}dev-{epochs}epochs.yaml"
+    path = args.data_dir / f"{records.name}-{devices}dev-{epochs}epochs{'-nnx' if nnx else ''}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
@@ -304,6 +318,7 @@ def ratios(per_round: dict[str, list[dict]]) -> dict:
             "whole_run_examples_per_s",
         ),
         "ours_8dev_over_1dev": ("ours_8dev", "ours", "examples_per_s"),
+        "ratio_nnx_vs_functional": ("ours_nnx", "ours", "examples_per_s"),
     }
     out = {}
     for key, (ours, peer, figure) in pairs.items():
@@ -359,9 +374,14 @@ class Setup:
         self.epochs = math.ceil(args.steps / per_epoch)
         self.devices = {name: d for name, d in DEVICES.items() if d == 1 or args.eight_devices}
         self.configs = {
-            name: derived_config(args, records, d, self.epochs) for name, d in self.devices.items()
+            name: derived_config(args, records, d, self.epochs, nnx=name == "ours_nnx")
+            for name, d in self.devices.items()
         }
-        self.fdo = {name: fdo_stats(config) for name, config in self.configs.items()}
+        # The NNX run has the functional run's tables, batches and mesh: its stats.
+        self.fdo = {
+            name: fdo_stats(self.configs["ours" if name == "ours_nnx" else name])
+            for name in self.configs
+        }
         self.config = sparseflow.load_config(self.configs["ours"])
         self.vocabulary = next(iter(self.config.tables.values())).vocabulary_size
         count = min(args.steps, per_epoch)
