@@ -50,9 +50,10 @@ class DenseInputs(NamedTuple):
 class StepOutput(NamedTuple):
     """`loss: float32[]`, `logits: float32[batch]`, `labels: int32[batch]` of one batch.
 
-    `logits` is `float32[0]` when the model's outputs are not per-example
-    logits (`dense_model.per_example_logits`): they have no AUC, and the
-    pipeline state, which holds a placeholder of the output, stays small.
+    `logits` is zeros when the model's outputs are not per-example logits
+    (`dense_model.per_example_logits`): they have no AUC, and the pipeline
+    state, which holds a placeholder of the output, stays small (not
+    `[batch, batch]`) and saves (orbax refuses an array of size 0).
     The labels travel with the output because a pipelined step returns the
     output of the previous call's batch.
     """
@@ -158,7 +159,7 @@ class Stages:
         outputs = self.dense_model.forward(params, dense, activations)
         loss = self.dense_model.loss(outputs, labels)
         if not self.dense_model.per_example_logits:
-            outputs = jnp.zeros((0,), jnp.float32)
+            outputs = jnp.zeros(labels.shape, jnp.float32)
         return loss, outputs
 
     @functools.cached_property

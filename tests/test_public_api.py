@@ -12,6 +12,7 @@ PACKAGES = [
     "beam_jobs",
     "sparseflow",
     "sparseflow.towers",
+    "sparseflow.retrieval",
 ]
 
 

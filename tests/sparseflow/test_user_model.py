@@ -137,7 +137,7 @@ def test_a_user_models_run_resumes_exactly_from_its_checkpoint(small_run):
     tmp, _, _, data = small_run
     config = _config(small_run, "resumed", {"module": "user_models:LinearModel"})
     checkpoints = tmp / "user-model-checkpoints"
-    assert_resume_is_exact(config, checkpoints, data=data, progress=False, pipelined=False)
+    assert_resume_is_exact(config, checkpoints, data=data, progress=False)
 
 
 def test_the_shipped_towers_nnx_modules_train_as_user_models(small_run):
