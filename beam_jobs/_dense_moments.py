@@ -7,7 +7,7 @@ missing ones take their default), a standard deviation of 0 stored as 1 so
 that a constant value only loses its mean. Each range of records yields
 `(count, mean, M2)`, merged pairwise (Chan et al.) in float64, so the result
 does not depend on how the records were split among workers beyond rounding.
-They are written beside the FDO stats (format: `pipelines._dense_moments`).
+They are written beside the FDO stats (format: `pipelines.dense_moments_content`).
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 Either a shipped tower (`model.tower`, `sparseflow._model`) or a user's Flax
 NNX model (`model.module`, `sparseflow._nnx_model`). Both give `init(key)`,
-the dense parameters; `forward(params, dense, activations)`, the logits
-`float32[batch]` of `dense: float32[batch, num_dense]` and per-feature
-activations `float32[batch, dim]`; and `loss(logits, labels)`, `float32[]`.
+the dense parameters; `forward(params, dense, activations)`, the outputs
+(logits `float32[batch]`) of `dense: float32[batch, num_dense]` and
+per-feature activations `float32[batch, dim]`; `loss(outputs, labels)`,
+`float32[]`; and `per_example_logits`, whether the outputs are logits
+`float[batch]` that the trainer's AUC scores (a user's model with a loss of
+its own may return others).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ShippedTower:
     num_dense_features: int
     feature_dims: Mapping[str, int]
     loss: Callable[[jax.Array, jax.Array], jax.Array] = _model.sigmoid_cross_entropy
+    per_example_logits = True
 
     def init(self, key: jax.Array) -> _model.Params:
         return _model.init_params(key, self.config, self.num_dense_features, self.feature_dims)
@@ -55,14 +59,15 @@ def dense_model(
       specs: the prepared feature specs.
       mesh: the run's mesh.
       model_class: a Flax NNX model class in place of `model.module`'s.
-      loss: in place of the mean sigmoid cross-entropy.
+      loss: in place of the mean sigmoid cross-entropy (or of a user's model
+        class's own `loss`).
 
     Raises:
       UsageError: the model is one the trainer cannot run.
     """
-    loss = _model.sigmoid_cross_entropy if loss is None else loss
     if config.model.module is None and model_class is None:
         dims = {name: spec.table_spec.embedding_dim for name, spec in specs.items()}
+        loss = _model.sigmoid_cross_entropy if loss is None else loss
         return ShippedTower(config.model, config.layout.num_dense_features, dims, loss)
     if config.model.pipeshard is not None:
         raise UsageError("model.pipeshard runs the shipped towers only, not a model of your own.")

@@ -2,7 +2,11 @@
 
 The model is built around an `embedding.nnx.Embed` layer that the trainer
 hands it: `Class(embed, num_dense_features, rngs=rngs, **model.args)`, and
-called as `model(sparse_batch, dense)` it returns logits `float32[batch]`.
+called as `model(sparse_batch, dense)` it returns logits `float32[batch]`,
+trained with the mean sigmoid cross-entropy; or, when the class defines a
+`loss(outputs, labels)` (or the trainer is given a loss), any outputs that
+loss takes (a retrieval model's `float32[batch, batch]` in-batch logits,
+say): the trainer then reports no AUC, which needs per-example logits.
 The trainer splits it as it splits the shipped towers: its own sparse
 stages look the batch up in the run's tables and update them; the dense
 stage runs the model with the layer given those activations
@@ -28,6 +32,7 @@ from jax.sharding import Mesh
 import embedding
 from embedding import nnx as enx
 from sparseflow._errors import UsageError
+from sparseflow._model import sigmoid_cross_entropy
 
 # What the trainer holds apart from the model's dense parameters.
 _EMBEDDING = (enx.EmbeddingParam, enx.EmbeddingStep)
@@ -66,10 +71,12 @@ class NnxModel:
     Attributes:
       name: `model.module`, for messages.
       build: `(key) -> model`: the model over a fresh `Embed` layer.
-      loss: `(logits, labels) -> float32[]`.
+      loss: `(outputs, labels) -> float32[]`.
       graphdef: the model's graph.
       embedding_state: the layer's tables, slots and step, abstract (never read).
       layer_path: where the layer sits in the model (`embed_layers`).
+      per_example_logits: the model's outputs are logits `float[batch]`, which
+        the trainer's AUC scores; False for other outputs (no AUC).
     """
 
     name: str
@@ -78,6 +85,7 @@ class NnxModel:
     embedding_state: Any
     layer_path: str
     loss: Any
+    per_example_logits: bool = True
 
     @classmethod
     def create(
@@ -90,16 +98,21 @@ class NnxModel:
         num_sc_per_device: int,
         num_dense_features: int,
         global_batch_size: int,
-        loss: Any,
+        loss: Any = None,
     ) -> NnxModel:
         """Builds `module`'s class (or `module`, a class) abstractly and checks it is a
-        model the trainer runs; `loss(logits, labels) -> float32[]` trains it.
+        model the trainer runs.
+
+        The loss `(outputs, labels: int32[batch]) -> float32[]` that trains it is
+        `loss`, else the class's own `loss` (a static method or function
+        attribute), else the mean sigmoid cross-entropy of logits `float[batch]`.
 
         Raises:
           UsageError: the class does not import or build with `args`, does not
             hold the `Embed` layer it was given (or holds others), holds
-            variables other than `nnx.Param`s beside the layer's, or does not
-            return `float[global_batch_size]` logits.
+            variables other than `nnx.Param`s beside the layer's; with the
+            default loss, does not return `float[global_batch_size]` logits;
+            with another, its outputs do not give that loss a float scalar.
         """
         model_class = load_model_class(module)
         if not isinstance(module, str):
@@ -137,9 +150,16 @@ class NnxModel:
                 "trainer carries the Embed layer's and nnx.Params only."
             )
         (layer_path,) = enx.embed_layers(abstract)
+        if loss is None:
+            loss = getattr(model_class, "loss", None) or sigmoid_cross_entropy
         model = cls(module, build, graphdef, embedding_state, layer_path, loss)
-        model._check_logits(feature_specs, num_dense_features, global_batch_size)
-        return model
+        outputs = model._abstract_outputs(feature_specs, num_dense_features, global_batch_size)
+        if loss is sigmoid_cross_entropy:
+            model._check_logits(outputs, global_batch_size)
+            return model
+        model._check_loss(outputs, global_batch_size)
+        per_example = _is_float(outputs, (global_batch_size,))
+        return dataclasses.replace(model, per_example_logits=per_example)
 
     def init(self, key: jax.Array) -> nnx.State:
         """The model's dense parameters (`nnx.Param`s), as built from `key`."""
@@ -147,29 +167,60 @@ class NnxModel:
 
     def forward(
         self, params: nnx.State, dense: jax.Array, activations: Mapping[str, jax.Array]
-    ) -> jax.Array:
-        """Logits `float32[batch]` of the model on `activations` (per feature, as the
-        layer's lookup gives them) and `dense: float32[batch, num_dense]`."""
+    ) -> Any:
+        """The model's outputs (logits `float32[batch]` for the default loss) on
+        `activations` (per feature, as the layer's lookup gives them) and
+        `dense: float32[batch, num_dense]`."""
         model = nnx.merge(self.graphdef, self.embedding_state, params)
         layer = enx.embed_layers(model)[self.layer_path]
         with enx.provided_activations({layer: dict(activations)}):
             return model(None, dense)
 
-    def _check_logits(self, feature_specs, num_dense_features: int, batch: int) -> None:
+    def _abstract_outputs(self, feature_specs, num_dense_features: int, batch: int) -> Any:
+        """The shapes and dtypes of the model's outputs on a batch of `batch` examples."""
         params = jax.eval_shape(self.init, jax.random.key(0))
         activations = {
             name: jax.ShapeDtypeStruct((batch, spec.table_spec.embedding_dim), jnp.float32)
             for name, spec in feature_specs.items()
         }
         dense = jax.ShapeDtypeStruct((batch, num_dense_features), jnp.float32)
-        logits = jax.eval_shape(self.forward, params, dense, activations)
-        shape = getattr(logits, "shape", None)
-        if shape != (batch,) or not jnp.issubdtype(logits.dtype, jnp.floating):
-            got = f"{logits.dtype}{list(shape)}" if shape is not None else type(logits).__name__
+        return jax.eval_shape(self.forward, params, dense, activations)
+
+    def _check_logits(self, outputs: Any, batch: int) -> None:
+        if not _is_float(outputs, (batch,)):
             raise UsageError(
                 f"model.module {self.name!r}: model(sparse_batch, dense) must return logits "
-                f"float[batch] (float32[{batch}] for this config), got {got}."
+                f"float[batch] (float32[{batch}] for this config), got {_describe(outputs)}; "
+                "a model with other outputs defines the loss that takes them "
+                "(`loss(outputs, labels)`, a static method of the class)."
             )
+
+    def _check_loss(self, outputs: Any, batch: int) -> None:
+        labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        try:
+            value = jax.eval_shape(self.loss, outputs, labels)
+        except Exception as error:  # the user's loss may raise anything on these shapes
+            raise UsageError(
+                f"model.module {self.name!r}: its loss(outputs, labels) failed on outputs "
+                f"{_describe(outputs)} and labels int32[{batch}]: {error}"
+            ) from error
+        if not _is_float(value, ()):
+            raise UsageError(
+                f"model.module {self.name!r}: its loss(outputs, labels) must return a float "
+                f"scalar, got {_describe(value)} (outputs {_describe(outputs)})."
+            )
+
+
+def _is_float(value: Any, shape: tuple[int, ...]) -> bool:
+    """Whether `value` is a float array (or its shape and dtype) of `shape`."""
+    return getattr(value, "shape", None) == shape and jnp.issubdtype(value.dtype, jnp.floating)
+
+
+def _describe(value: Any) -> str:
+    """`float32[8, 8]` for an array, the pytree's structure otherwise."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{value.dtype}{list(value.shape)}"
+    return str(jax.tree.map(_describe, value))
 
 
 def _holds_embed(model: Any) -> bool:

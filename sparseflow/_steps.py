@@ -50,6 +50,10 @@ class DenseInputs(NamedTuple):
 class StepOutput(NamedTuple):
     """`loss: float32[]`, `logits: float32[batch]`, `labels: int32[batch]` of one batch.
 
+    `logits` is zeros when the model's outputs are not per-example logits
+    (`dense_model.per_example_logits`): they have no AUC, and the pipeline
+    state, which holds a placeholder of the output, stays small (not
+    `[batch, batch]`) and saves (orbax refuses an array of size 0).
     The labels travel with the output because a pipelined step returns the
     output of the previous call's batch.
     """
@@ -70,7 +74,7 @@ class Stages:
       enable_minibatching: as given to the preprocessing.
       pipeshard: run the dense tower as a pipeshard pipeline (`pipeshard_tc`).
       dense_model: the dense stage's model (`_dense_model.dense_model`): its
-        `forward(params, dense, activations)` gives the logits.
+        `forward(params, dense, activations)` gives the outputs its `loss` takes.
     """
 
     feature_specs: Mapping[str, embedding.FeatureSpec]
@@ -151,9 +155,12 @@ class Stages:
         )
 
     def _loss(self, params, dense: jax.Array, activations, labels: jax.Array):
-        """`(loss, logits)` of the dense model on a batch."""
-        logits = self.dense_model.forward(params, dense, activations)
-        return self.dense_model.loss(logits, labels), logits
+        """`(loss, logits)` of the dense model on a batch (`StepOutput.logits`)."""
+        outputs = self.dense_model.forward(params, dense, activations)
+        loss = self.dense_model.loss(outputs, labels)
+        if not self.dense_model.per_example_logits:
+            outputs = jnp.zeros(labels.shape, jnp.float32)
+        return loss, outputs
 
     @functools.cached_property
     def pipeshard_tc(self) -> PipeshardTc:

@@ -72,8 +72,8 @@ class TrainOptions:
         minibatching agreement (default: all 127.0.0.1, local processes).
       model: a Flax NNX model class to train in place of `model.module`'s
         (`sparseflow.Trainer`); the config's `model.args` are its arguments.
-      loss: `(logits, labels) -> float32[]` in place of the mean sigmoid
-        cross-entropy.
+      loss: `(outputs, labels) -> float32[]` in place of the mean sigmoid
+        cross-entropy of logits (or of a user's model class's own `loss`).
       input_timeout_s: the longest the loop waits for a batch before it
         stops with `pipelines.InputTimeoutError`; a Grain worker that dies
         stops it at once (`pipelines.InputWorkerError`).
@@ -106,8 +106,10 @@ class TrainResult(NamedTuple):
     Attributes:
       steps: batches trained on (in this run and before a resume).
       losses: the loss of every batch, in order.
-      train_auc: AUC over the last logged window of training batches.
-      eval_auc: AUC on `eval_data`, or None.
+      train_auc: AUC over the last logged window of training batches; NaN
+        when the model's outputs are not per-example logits.
+      eval_auc: AUC on `eval_data`, or None (also when the model's outputs
+        are not per-example logits).
       examples_per_s: training throughput of this process's run.
       seconds: wall time of the training loop.
       call_seconds: wall time of every step call of this run (pipelined: n + 2
@@ -336,6 +338,11 @@ class _Run:
         self.dense_model = _dense_model.dense_model(
             config, specs, mesh, model_class=options.model, loss=options.loss
         )
+        if not self.dense_model.per_example_logits:
+            _log.info(
+                "The model's outputs are not per-example logits: no AUC is reported "
+                "(evaluate it with a metric of its own, as sparseflow.retrieval.recall_at_k)."
+            )
         self.use_specs(specs)
         if config.model.pipeshard is not None and not self.pipelined:
             raise ValueError(
@@ -398,7 +405,8 @@ class _Run:
                 "order). Look for NaN or infinite values in them, or lower the learning rates."
             )
         self.losses.append(loss)
-        self.window.append((_gathered(output.logits), _gathered(output.labels)))
+        if self.dense_model.per_example_logits:
+            self.window.append((_gathered(output.logits), _gathered(output.labels)))
 
     def window_auc(self) -> float:
         if not self.window:
@@ -490,7 +498,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
                     start = _new_segment_after_drain(run, n, start, snapshot.iterator_state)
         clock = _loop(run, batches, n, start, pending, checkpoints, metrics)
     eval_auc = None
-    if options.eval_data is not None:
+    if options.eval_data is not None and run.dense_model.per_example_logits:
         eval_auc = evaluate(run, options.eval_data)
         metrics.scalar("eval/auc", eval_auc, n)
     metrics.close()
@@ -775,22 +783,24 @@ def _report(run: _Run, metrics, progress, logged: int, clock: _Clock) -> int:
     if trained == logged or trained % every:
         return logged
     loss = float(np.mean(run.losses[-every:]))
-    auc = run.window_auc()
     seconds, waiting = clock.window()
     # Batches trained, not calls: a pipelined run's first call trains none.
     examples = (trained - logged) * run.config.global_batch_size
     examples_per_s = examples / seconds if seconds > 0 else 0.0
+    # A model without per-example logits has no AUC (`_Run.record` keeps none).
+    auc = run.window_auc() if run.dense_model.per_example_logits else None
     _log.info(
-        "step %d: loss %.4f, auc %.4f, %.0f examples/s, %.0f%% of the time waiting for input",
+        "step %d: loss %.4f%s, %.0f examples/s, %.0f%% of the time waiting for input",
         trained,
         loss,
-        auc,
+        "" if auc is None else f", auc {auc:.4f}",
         examples_per_s,
         100 * waiting,
     )
     progress.throughput(examples_per_s, waiting)
     metrics.scalar("train/loss", loss, trained)
-    metrics.scalar("train/auc", auc, trained)
+    if auc is not None:
+        metrics.scalar("train/auc", auc, trained)
     metrics.scalar("train/examples_per_s", examples_per_s, trained)
     metrics.scalar("train/input_wait_share", waiting, trained)
     return trained

@@ -36,7 +36,9 @@ class Trainer:
       model_args: keyword arguments of `model`.
       loss: `(logits: float32[batch], labels: int32[batch]) -> float32[]`,
         minimized over the dense parameters and, through the activations,
-        the tables; default: the mean sigmoid cross-entropy.
+        the tables; default: the model class's own `loss`, if it has one
+        (it may then return other outputs, e.g. `towers.TwoTower`'s
+        `float32[batch, batch]`), else the mean sigmoid cross-entropy.
       devices: the mesh's device count in place of `mesh.devices`, for a
         config given as a file or a name.
 

@@ -26,9 +26,15 @@ PACKAGES = _packages()
 
 
 def test_the_subpackages_are_found():
-    assert {"embedding.fdo", "embedding.nnx", "parallel.allreduce", "sparseflow.towers"} <= set(
-        PACKAGES
-    )
+    assert {
+        "embedding.fdo",
+        "embedding.nnx",
+        "parallel.allreduce",
+        "parallel.sc_tc",
+        "sparseflow.config",
+        "sparseflow.retrieval",
+        "sparseflow.towers",
+    } <= set(PACKAGES)
 
 
 @pytest.mark.parametrize("package", PACKAGES)

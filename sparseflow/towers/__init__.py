@@ -1,4 +1,5 @@
-"""The shipped dense towers, DLRM and DCN-v2, as Flax NNX modules over an `Embed` layer.
+"""The shipped dense towers, DLRM and DCN-v2, as Flax NNX modules over an `Embed` layer,
+and `TwoTower`, a retrieval model (docs/retrieval.md).
 
 `Dlrm` and `DcnV2` take an `embedding.nnx.Embed` layer and compute the
 logits of `sparseflow._model.forward` from its activations and the dense
@@ -35,5 +36,13 @@ from sparseflow._model import sigmoid_cross_entropy
 from sparseflow.towers._dcn_v2 import DcnV2
 from sparseflow.towers._dlrm import Dlrm
 from sparseflow.towers._from_config import from_config
+from sparseflow.towers._two_tower import TwoTower, in_batch_softmax_loss
 
-__all__ = ["DcnV2", "Dlrm", "from_config", "sigmoid_cross_entropy"]
+__all__ = [
+    "DcnV2",
+    "Dlrm",
+    "TwoTower",
+    "from_config",
+    "in_batch_softmax_loss",
+    "sigmoid_cross_entropy",
+]

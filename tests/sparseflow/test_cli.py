@@ -252,7 +252,7 @@ def test_an_unknown_config_name_is_a_user_error_listing_the_shipped_ones(
 ):
     monkeypatch.chdir(tmp_path)
     assert _cli.main(["stats", "--config", "dem"]) == 2
-    assert "no shipped config named 'dem'; shipped configs: benchmark, criteo, demo" in (
+    assert "no shipped config named 'dem'; shipped configs: benchmark, criteo, demo, two_tower" in (
         capsys.readouterr().err
     )
 

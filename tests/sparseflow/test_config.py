@@ -523,7 +523,7 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "no.yaml")
 
 
-@pytest.mark.parametrize("name", ["demo", "benchmark"])
+@pytest.mark.parametrize("name", ["demo", "benchmark", "two_tower"])
 def test_shipped_configs_load(name, tmp_path):
     config = load_config(shipped_config(name), relative_to=tmp_path)
     assert config.name == name
@@ -537,7 +537,8 @@ def test_relative_paths_start_from_the_config_file_by_default():
 
 def test_unknown_shipped_config_names_the_shipped_ones():
     with pytest.raises(
-        ValueError, match="no shipped config named 'dem'; shipped configs: benchmark, criteo, demo"
+        ValueError,
+        match="no shipped config named 'dem'; shipped configs: benchmark, criteo, demo, two_tower",
     ):
         shipped_config("dem")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -10,11 +11,11 @@ import numpy as np
 import pytest
 import user_models
 import yaml
-from train_cases import assert_bitwise_equal_runs
+from train_cases import assert_resume_is_exact
 
 import embedding
 import sparseflow
-from sparseflow import _dense_model, _in_flight, _train, load_config
+from sparseflow import _dense_model, _in_flight, _model, _train, load_config
 from sparseflow._errors import UsageError
 from sparseflow.config._checker import ConfigError
 
@@ -28,9 +29,8 @@ def _config(small_run, name: str, model: dict):
     return load_config(out)
 
 
-def _first_batch_logits(config, data: str, params, tables) -> tuple[np.ndarray, np.ndarray]:
-    """Float64 numpy logits and labels of global batch 0 under `params` and `tables`:
-    the activations of the run's own lookup, then the model's linear head."""
+def _first_batch(config, data: str, tables):
+    """Global batch 0 of the run and its activations under `tables` (the run's own lookup)."""
     options = _train.TrainOptions(data=data, progress=False)
     mesh = _train.make_mesh(config.mesh.devices)
     specs = _train._feature_specs(config, options, mesh)
@@ -42,9 +42,15 @@ def _first_batch_logits(config, data: str, params, tables) -> tuple[np.ndarray, 
         0,
     )
     activations = embedding.sparse_dense_matmul(batch.sparse.unpack(), tables, specs, mesh)
+    return batch, {name: np.asarray(a, np.float64) for name, a in activations.items()}
+
+
+def _first_batch_logits(config, data: str, params, tables) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 numpy logits and labels of global batch 0 under `params` and `tables`:
+    the activations of the run's own lookup, then the model's linear head."""
+    batch, activations = _first_batch(config, data, tables)
     x = np.concatenate(
-        [np.asarray(activations[name], np.float64) for name in sorted(activations)]
-        + [np.asarray(batch.dense, np.float64)],
+        [activations[name] for name in sorted(activations)] + [np.asarray(batch.dense, np.float64)],
         axis=1,
     )
     head = params["head"]
@@ -88,6 +94,14 @@ def test_a_user_model_trains_and_its_first_loss_is_its_own_forward(small_run, pi
         ({"module": "user_models:WithoutTheLayer"}, "must hold the Embed layer it is given"),
         ({"module": "user_models:ColumnLogits"}, "must return logits float[batch]"),
         ({"module": "user_models:WithBatchStats"}, "holds variables of type BatchStat"),
+        (
+            {"module": "user_models:PairLogitsVectorLoss"},
+            "its loss(outputs, labels) must return a float scalar, got float32[512]",
+        ),
+        (
+            {"module": "user_models:PairLogitsMismatchedLoss"},
+            "its loss(outputs, labels) failed on outputs float32[512, 512] and labels int32[512]",
+        ),
     ],
 )
 def test_a_model_the_trainer_cannot_run_is_refused_naming_why(small_run, model, message):
@@ -122,14 +136,8 @@ def test_a_config_without_model_module_runs_the_shipped_tower(small_run):
 def test_a_user_models_run_resumes_exactly_from_its_checkpoint(small_run):
     tmp, _, _, data = small_run
     config = _config(small_run, "resumed", {"module": "user_models:LinearModel"})
-    options = dict(data=data, progress=False, pipelined=False)
-    whole = _train.train(config, _train.TrainOptions(**options, steps=4))
     checkpoints = tmp / "user-model-checkpoints"
-    _train.train(config, _train.TrainOptions(**options, steps=2, checkpoint_dir=checkpoints))
-    resumed = _train.train(
-        config, _train.TrainOptions(**options, steps=4, checkpoint_dir=checkpoints, resume=True)
-    )
-    assert_bitwise_equal_runs(resumed, whole)
+    assert_resume_is_exact(config, checkpoints, data=data, progress=False)
 
 
 def test_the_shipped_towers_nnx_modules_train_as_user_models(small_run):
@@ -159,6 +167,36 @@ def test_the_trainer_takes_a_model_class_and_a_loss(small_run):
     z, y = _first_batch_logits(config, data, run.state.params, run.tables)
     expected = np.mean((1 / (1 + np.exp(-z)) - y) ** 2)
     np.testing.assert_allclose(result.losses[0], expected, rtol=1e-5)
+
+
+def test_outputs_other_than_logits_need_a_loss_that_takes_them(small_run):
+    config = _config(small_run, "pairs", {"module": "user_models:PairLogits"})
+    mesh = _train.make_mesh(config.mesh.devices)
+    with pytest.raises(UsageError, match=re.escape("got float32[512, 512]; a model with other")):
+        _dense_model.dense_model(
+            config, config.feature_specs, mesh, loss=_model.sigmoid_cross_entropy
+        )
+
+
+def test_a_model_with_its_own_loss_trains_without_auc(small_run, caplog):
+    _, _, _, data = small_run
+    config = _config(small_run, "pairs", {"module": "user_models:PairLogits"})
+    run = _train._Run(config, _train.TrainOptions(data=data), _train.make_mesh(config.mesh.devices))
+    _, activations = _first_batch(config, data, run.tables)
+    with caplog.at_level(logging.INFO, logger="sparseflow._train"):
+        result = sparseflow.Trainer(config).fit(data, steps=4, eval_data=data, progress=False)
+    assert "not per-example logits: no AUC" in caplog.text
+    assert np.isnan(result.train_auc) and result.eval_auc is None
+    # The first loss is the model's own on the run's first batch (float64 numpy):
+    # every row's softmax cross-entropy against its diagonal.
+    first, second = sorted(activations)[:2]
+    project = run.state.params["project"]
+    w = np.asarray(project["kernel"][...], np.float64)
+    b = np.asarray(project["bias"][...], np.float64)
+    logits = (activations[first] @ w + b) @ activations[second].T
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(result.losses[0], -np.mean(np.diagonal(log_softmax)), rtol=1e-5)
 
 
 def test_the_trainer_refuses_devices_for_a_loaded_config(small_run):

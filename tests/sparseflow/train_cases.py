@@ -13,7 +13,7 @@ import numpy as np
 import yaml
 
 import pipelines
-from sparseflow import shipped_config
+from sparseflow import _train, shipped_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = 5120
@@ -81,3 +81,20 @@ def assert_bitwise_equal_runs(result, reference) -> None:
         strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def assert_resume_is_exact(config, checkpoints: Path, **options) -> None:
+    """Trains 4 steps whole, and 2 with checkpoints then resumed to 4, unpipelined:
+    the two runs end bitwise equal (`options`: more of `_train.TrainOptions`).
+
+    Unpipelined only: a pipelined run that ends drains the batches in flight,
+    so its resume continues another schedule than the whole run's; a
+    pipelined resume is tested after a crash (`--stop-after`).
+    """
+    options = dict(options, pipelined=False)
+    whole = _train.train(config, _train.TrainOptions(**options, steps=4))
+    _train.train(config, _train.TrainOptions(**options, steps=2, checkpoint_dir=checkpoints))
+    resumed = _train.train(
+        config, _train.TrainOptions(**options, steps=4, checkpoint_dir=checkpoints, resume=True)
+    )
+    assert_bitwise_equal_runs(resumed, whole)

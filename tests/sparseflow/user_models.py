@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -44,3 +45,40 @@ class WithBatchStats(LinearModel):
     def __init__(self, embed, num_dense_features: int, *, rngs: nnx.Rngs):
         super().__init__(embed, num_dense_features, rngs=rngs)
         self.count = nnx.BatchStat(jnp.zeros(()))
+
+
+class PairLogits(nnx.Module):
+    """Returns `[batch, batch]` logits (every example's first feature against every
+    example's second), trained by its own loss: each row's softmax against its diagonal."""
+
+    def __init__(self, embed, num_dense_features: int, *, rngs: nnx.Rngs):
+        self.embed = embed
+        self.first, self.second = sorted(embed.feature_specs)[:2]
+        dims = [
+            embed.feature_specs[name].table_spec.embedding_dim for name in (self.first, self.second)
+        ]
+        self.project = nnx.Linear(dims[0], dims[1], rngs=rngs)
+
+    def __call__(self, sparse_batch, dense):
+        activations = self.embed(sparse_batch)
+        return self.project(activations[self.first]) @ activations[self.second].T
+
+    @staticmethod
+    def loss(logits, labels):
+        return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(logits, axis=1)))
+
+
+class PairLogitsVectorLoss(PairLogits):
+    """Its loss returns one value per example instead of a scalar."""
+
+    @staticmethod
+    def loss(logits, labels):
+        return jnp.diagonal(logits)
+
+
+class PairLogitsMismatchedLoss(PairLogits):
+    """Its loss multiplies shapes that do not match."""
+
+    @staticmethod
+    def loss(logits, labels):
+        return jnp.sum(logits @ labels[:3])
