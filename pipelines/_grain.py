@@ -21,8 +21,9 @@ The iterator's state is Grain's (per-worker positions), so a restored run
 continues with exactly the batches an uninterrupted run would have produced,
 on the same workers. Restoring needs the same worker count.
 
-Each worker reports its pid as it starts (`GrainWorkers`), so that one that
-dies is named in an `InputWorkerError`, and closing the iterator takes a
+Each worker reports its pid as it starts and when it made the last batch of
+its share (`GrainWorkers`), so that one that dies is named in an
+`InputWorkerError`, one that Grain ended once done is not, and closing the iterator takes a
 bounded time even when a worker is dead or stopped.
 """
 
@@ -190,18 +191,20 @@ class _PrepareBatch:
         reader: ArrayRecordReader,
         stage: PreprocessStage,
         buffers: SharedBatchBuffers | None,
+        workers: GrainWorkers | None,
     ):
         self._plan = plan
         self._reader = reader
         self._stage = stage
         self._buffers = buffers
+        self._workers = workers
 
     def __call__(self, batch_number: int) -> HostBatch:
         batch_number = int(batch_number)
         check_worker_batch(batch_number)
         start = time.perf_counter()
         records = self._reader.read(self._plan.record_indices(batch_number))
-        return self._stage(
+        batch = self._stage(
             batch_number,
             records,
             plan=self._plan,
@@ -209,6 +212,13 @@ class _PrepareBatch:
             read_s=time.perf_counter() - start,
             allocate=self._shared_buffer if self._buffers is not None else None,
         )
+        if (
+            _worker is not None
+            and self._workers is not None
+            and batch_number + _worker[1] >= self._plan.num_batches
+        ):
+            self._workers.made_last_batch(_worker[0])
+        return batch
 
     def _shared_buffer(self):
         # In this process (no worker) a batch is not pickled: no slot needed.
@@ -244,7 +254,7 @@ class _GrainSource:
         # Once a worker died the input is over: the others are killed rather
         # than asked to stop, which takes a worker at idle priority on a busy
         # host long.
-        killed = self._workers.any_ended()
+        killed = self._workers.any_failed()
         if killed:
             self._workers.kill()
         # Grain's close waits for its reader of each worker, which waits for
@@ -365,10 +375,10 @@ def grain_dataset(
     plan = batch_plan(reader.files.num_records, batching)
     stage = PreprocessStage(preprocess)
     buffers = _shared_buffers(preprocess, options)
-    workers = GrainWorkers(options.worker_count) if options.worker_count else None
+    workers = GrainWorkers(options.worker_count, plan.num_batches) if options.worker_count else None
     dataset = (
         grain.MapDataset.range(plan.num_batches)
-        .map(_PrepareBatch(plan, reader, stage, buffers))
+        .map(_PrepareBatch(plan, reader, stage, buffers, workers))
         .to_iter_dataset(
             grain.ReadOptions(
                 num_threads=options.read_threads,

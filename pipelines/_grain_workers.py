@@ -16,6 +16,13 @@ here do not read the queues, so they find that worker too, and then let go
 of the pipes it shared with the training process (`_worker_pipes`), which
 ends that wait.
 
+Grain also ends a worker on purpose: once the worker's share of a finite
+input is made, Grain stops it as soon as its reader, which reads ahead, finds
+the share's end, possibly while batches it made are still due. A worker that
+ended without a failure (status 0, or collected by Grain) is therefore done,
+not dead, when it has reported making its last batch (`made_last_batch`) or
+when every batch of its share was already taken.
+
 Without `/proc` the workers do not report: errors name the worker by its
 index only, and a worker's death is Grain's to notice.
 """
@@ -35,8 +42,10 @@ from pipelines._errors import InputWorkerError
 from pipelines._worker_pipes import let_go, pipe_inodes
 
 _log = logging.getLogger(__name__)
-# A report: worker index, pid. Smaller than PIPE_BUF, so written whole.
-_REPORT = struct.Struct("<qq")
+# A report: worker index, pid, event. Smaller than PIPE_BUF, so written whole.
+_REPORT = struct.Struct("<qqq")
+_STARTED = 0
+_MADE_LAST_BATCH = 1
 # How long `kill()` waits for the killed workers to end.
 _KILL_WAIT_S = 5.0
 _KILL_POLL_S = 0.05
@@ -51,16 +60,23 @@ class GrainWorkers:
 
     Args:
       count: W, the iterator's workers; worker w prepares the batches
-        `b = w, w + W, ...`.
+        `b = w, w + W, ...` below `num_batches`.
+      num_batches: N, the batches of the input.
     """
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, num_batches: int):
         self._count = count
+        self._num_batches = num_batches
         self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
+        # The workers that made the last batch of their share.
+        self._made_last: set[int] = set()
+        # The batch the input waits for, as last checked.
+        self._due = 0
         self._processes: dict[int, multiprocessing.process.BaseProcess] = {}
-        # How each worker that ended ended, kept: its `Process` may be collected.
-        self._exits: dict[int, str] = {}
+        # How each worker that ended ended (`Process.exitcode`, None: unknown),
+        # kept: its `Process` may be collected.
+        self._exits: dict[int, int | None] = {}
         # The pipes each worker had open, seen while it ran.
         self._pipes: dict[int, frozenset[int]] = {}
         self._read_fd: int | None = None
@@ -76,20 +92,11 @@ class GrainWorkers:
 
     def register(self, index: int) -> None:
         """In worker `index`: tells the training process this process's pid."""
-        if self._path is None:
-            return
-        try:
-            fd = os.open(self._path, os.O_WRONLY)
-        except OSError as error:
-            _log.warning("Grain worker %d cannot report its pid (%s).", index, error)
-            return
-        try:
-            # A closed descriptor's number may name another file since.
-            status = os.fstat(fd)
-            if (status.st_dev, status.st_ino) == self._identity:
-                os.write(fd, _REPORT.pack(index, os.getpid()))
-        finally:
-            os.close(fd)
+        self._report(index, _STARTED)
+
+    def made_last_batch(self, index: int) -> None:
+        """In worker `index`: tells the training process its share's last batch is made."""
+        self._report(index, _MADE_LAST_BATCH)
 
     def check(self, due: int) -> None:
         """Raises if a worker has ended.
@@ -98,20 +105,22 @@ class GrainWorkers:
           due: the batch the input waits for (named in the error).
 
         Raises:
-          InputWorkerError: a worker ended (killed, crashed or exited); the
-            message names it, its pid and how it ended.
+          InputWorkerError: a worker ended (killed, crashed or exited) before
+            it was done; the message names it, its pid and how it ended.
         """
         with self._lock:
+            self._due = due
             self._update()
-            ended = dict(sorted(self._exits.items()))
-        if not ended:
+            failed = self._failed()
+        if not failed:
             return
         workers = "; ".join(
-            f"{self._name(index)} (pid {self._pids[index]}) {how}" for index, how in ended.items()
+            f"{self._name(index)} (pid {self._pids[index]}) {_exit_description(code)}"
+            for index, code in failed.items()
         )
         hint = (
             " SIGKILL is what the kernel's out-of-memory killer sends: see its log (dmesg)."
-            if any(signal.SIGKILL.name in how for how in ended.values())
+            if -signal.SIGKILL in failed.values()
             else ""
         )
         raise InputWorkerError(
@@ -119,11 +128,11 @@ class GrainWorkers:
             f"go on without its workers.{hint}"
         )
 
-    def any_ended(self) -> bool:
-        """Whether a worker has ended."""
+    def any_failed(self) -> bool:
+        """Whether a worker has ended before it was done."""
         with self._lock:
             self._update()
-            return bool(self._exits)
+            return bool(self._failed())
 
     def describe(self, batch_number: int) -> str:
         """Who prepares batch `batch_number`: `Grain worker 1 of 2 (pid 3220, stopped)`."""
@@ -131,10 +140,12 @@ class GrainWorkers:
         with self._lock:
             self._update()
             pid = self._pids.get(index)
-            how = self._exits.get(index)
+            ended = index in self._exits
+            code = self._exits.get(index)
         if pid is None:
             return f"{self._name(index)} (which has not reported its pid)"
-        return f"{self._name(index)} (pid {pid}, {how or _state(pid)})"
+        how = _exit_description(code) if ended else _state(pid)
+        return f"{self._name(index)} (pid {pid}, {how})"
 
     def kill(self) -> None:
         """Kills every worker still running (SIGKILL) and waits a little for them to end.
@@ -165,26 +176,64 @@ class GrainWorkers:
             self._read_fd = self._write_fd = None
 
     def __getstate__(self) -> dict:
-        # A worker's copy only registers.
+        # A worker's copy only reports.
         return {"_count": self._count, "_path": self._path, "_identity": self._identity}
+
+    def _report(self, index: int, event: int) -> None:
+        """In worker `index`: writes a report to the training process's pipe."""
+        if self._path is None:
+            return
+        try:
+            fd = os.open(self._path, os.O_WRONLY)
+        except OSError as error:
+            _log.warning("Grain worker %d cannot report to the trainer (%s).", index, error)
+            return
+        try:
+            # A closed descriptor's number may name another file since.
+            status = os.fstat(fd)
+            if (status.st_dev, status.st_ino) == self._identity:
+                os.write(fd, _REPORT.pack(index, os.getpid(), event))
+        finally:
+            os.close(fd)
 
     def _name(self, index: int) -> str:
         return f"Grain worker {index} of {self._count}"
+
+    def _done(self, index: int) -> bool:
+        """Whether worker `index` may end: its share is made, or taken whole."""
+        last = index + self._count * ((self._num_batches - 1 - index) // self._count)
+        return index in self._made_last or self._due > last
+
+    def _failed(self) -> dict[int, int | None]:
+        """`{index: exit code}` of the workers that ended before they were done, by index."""
+        return {
+            index: code
+            for index, code in sorted(self._exits.items())
+            if code not in (0, None) or not self._done(index)
+        }
+
+    def _take_reports(self) -> None:
+        try:
+            data = os.read(self._read_fd, 64 * _REPORT.size)
+        except BlockingIOError:
+            data = b""
+        for index, pid, event in _REPORT.iter_unpack(data):
+            if event == _MADE_LAST_BATCH:
+                self._made_last.add(index)
+                continue
+            # A worker started again is a new process.
+            self._pids[index] = pid
+            self._processes.pop(index, None)
+            self._exits.pop(index, None)
+            self._made_last.discard(index)
+            self._pipes[index] = pipe_inodes(pid) - {self._identity[1]}
 
     def _update(self) -> None:
         """Takes new reports, matches workers to their `Process`, notes the ones that ended."""
         if self._read_fd is None:
             return
-        try:
-            data = os.read(self._read_fd, 64 * _REPORT.size)
-        except BlockingIOError:
-            data = b""
-        for index, pid in _REPORT.iter_unpack(data):
-            # A worker started again is a new process.
-            self._pids[index] = pid
-            self._processes.pop(index, None)
-            self._exits.pop(index, None)
-            self._pipes[index] = pipe_inodes(pid) - {self._identity[1]}
+        self._take_reports()
+        ended: dict[int, tuple[int, int | None]] = {}
         unmatched = {
             pid: index
             for index, pid in self._pids.items()
@@ -192,9 +241,9 @@ class GrainWorkers:
         }
         # Before `active_children()`, which collects the children that ended.
         for pid, index in list(unmatched.items()):
-            ended, code = _unmatched_exit(pid)
-            if ended:
-                self._ended(index, code)
+            exited, code = _unmatched_exit(pid)
+            if exited:
+                ended[index] = (pid, code)
                 del unmatched[pid]
         if unmatched:
             for process in multiprocessing.active_children():
@@ -202,15 +251,23 @@ class GrainWorkers:
                     self._processes[unmatched[process.pid]] = process
         for index, process in self._processes.items():
             if index not in self._exits and process.exitcode is not None:
-                self._ended(index, process.exitcode)
+                ended[index] = (process.pid, process.exitcode)
+        if not ended:
+            return
+        # A worker reports its last batch before it ends: seen ended now, its
+        # report is in the pipe now.
+        self._take_reports()
+        for index, (pid, code) in ended.items():
+            if self._pids[index] == pid:
+                self._ended(index, code)
 
     def _ended(self, index: int, code: int | None) -> None:
         """Notes that worker `index` ended with `Process.exitcode` `code` (None: unknown)."""
-        self._exits[index] = _exit_description(code)
+        self._exits[index] = code
         pipes = self._pipes.pop(index, frozenset())
-        # One that exited by itself sent whole batches; another may have been
-        # killed in the middle of one.
-        if code != 0:
+        # One that was done sent whole batches; another may have been killed
+        # in the middle of one.
+        if index in self._failed():
             let_go(pipes)
 
 

@@ -37,15 +37,24 @@ def files(tmp_path_factory):
     return cases.write_dataset(str(tmp_path_factory.mktemp("workers")), NUM_RECORDS)["arrayrecord"]
 
 
-def _iterator(files, *, local_devices: int = 1) -> pipelines.HostIterator:
+def _iterator(
+    files, *, local_devices: int = 1, epochs: int = EPOCHS, worker_count: int = 2
+) -> pipelines.HostIterator:
     preprocess = cases.preprocess_config(
         BATCH, local_devices=local_devices, global_devices=local_devices, partitions=1
     )
     return make_grain_iterator(
         files,
-        batching=BatchingConfig(global_batch_size=BATCH, num_epochs=EPOCHS),
+        batching=BatchingConfig(global_batch_size=BATCH, num_epochs=epochs),
         preprocess=preprocess,
-        options=GrainOptions(worker_count=2, worker_priority="normal"),
+        # Buffers that hold every worker's share: each is done, and Grain ends
+        # it, while its batches are still due.
+        options=GrainOptions(
+            worker_count=worker_count,
+            worker_priority="normal",
+            worker_buffer_size=NUM_RECORDS // BATCH,
+            read_buffer_size=NUM_RECORDS // BATCH,
+        ),
     )
 
 
@@ -145,6 +154,49 @@ def test_a_stopped_worker_times_out_naming_the_batch_it_owes_and_is_ended_by_clo
     assert int(owed[3]) == victim and int(owed[2]) == int(owed[1]) % 2
     # It waited out the timeout (plus the batches the other worker had ready), no more.
     assert 3 <= waited < 30
+
+
+def _no_workers_left() -> None:
+    wait_for(
+        lambda: not grain_workers(os.getpid()),
+        HANG_S,
+        "Grain did not end the workers that made their share",
+    )
+
+
+def test_workers_that_grain_ended_once_their_share_was_made_give_every_batch(files):
+    with _iterator(files, epochs=1, worker_count=0) as iterator:
+        expected = [cases.flat(batch) for batch in iterator]
+    assert len(expected) == NUM_RECORDS // BATCH
+
+    iterator = _iterator(files, epochs=1)
+    try:
+        taken = [cases.flat(next(iterator))]
+        _no_workers_left()
+        taken += [cases.flat(batch) for batch in _within(HANG_S, lambda: list(iterator), "reading")]
+    finally:
+        _close_and_check_workers_end(iterator, [])
+    cases.assert_batches_equal(taken, expected)
+
+
+def test_a_worker_whose_share_was_taken_before_a_restore_may_end_at_once(files):
+    # Restored before the last batch, worker 0 has nothing left: Grain ends it
+    # at once, before the batch due (worker 1's) arrives.
+    last = NUM_RECORDS // BATCH - 1
+    with _iterator(files, epochs=1) as iterator:
+        for _ in range(last):
+            next(iterator)
+        state = iterator.get_state()
+        expected = cases.flat(next(iterator))
+    iterator = _iterator(files, epochs=1)
+    try:
+        iterator.set_state(state)
+        iterator.start_prefetch()
+        _no_workers_left()
+        taken = _within(HANG_S, lambda: list(iterator), "reading")
+    finally:
+        _close_and_check_workers_end(iterator, [])
+    cases.assert_batches_equal([cases.flat(batch) for batch in taken], [expected])
 
 
 def test_letting_go_of_a_dead_writers_pipes_ends_the_wait_for_its_half_sent_message():
