@@ -16,12 +16,15 @@ here do not read the queues, so they find that worker too, and then let go
 of the pipes it shared with the training process (`_worker_pipes`), which
 ends that wait.
 
-Grain also ends a worker on purpose: once the worker's share of a finite
-input is made, Grain stops it as soon as its reader, which reads ahead, finds
-the share's end, possibly while batches it made are still due. A worker that
-ended without a failure (status 0, or collected by Grain) is therefore done,
-not dead, when it has reported making its last batch (`made_last_batch`) or
-when every batch of its share was already taken.
+Grain also ends workers on purpose, and a worker exits with status 0 only
+then (its loop ends when Grain asks it to stop): once the worker's share of a
+finite input is made, as soon as Grain's reader, which reads ahead, finds the
+share's end, possibly while batches it made are still due; and after passing
+on an error the worker raised (a bad batch, a limit breach), which must reach
+the caller as itself. So status 0 is no failure. A worker whose status is
+unknown (collected by another, Grain say) is done, not dead, when it has
+reported making its last batch (`made_last_batch`) or when every batch of
+its share was already taken.
 
 Without `/proc` the workers do not report: errors name the worker by its
 index only, and a worker's death is Grain's to notice.
@@ -98,11 +101,14 @@ class GrainWorkers:
         """In worker `index`: tells the training process its share's last batch is made."""
         self._report(index, _MADE_LAST_BATCH)
 
-    def check(self, due: int) -> None:
+    def check(self, due: int, *, after_error: bool = False) -> None:
         """Raises if a worker has ended.
 
         Args:
           due: the batch the input waits for (named in the error).
+          after_error: Grain passed on a worker's own error, after which it
+            stops that worker: a worker whose status is unknown (collected by
+            Grain) is then no failure of its own.
 
         Raises:
           InputWorkerError: a worker ended (killed, crashed or exited) before
@@ -112,6 +118,8 @@ class GrainWorkers:
             self._due = due
             self._update()
             failed = self._failed()
+        if after_error:
+            failed = {index: code for index, code in failed.items() if code is not None}
         if not failed:
             return
         workers = "; ".join(
@@ -209,7 +217,7 @@ class GrainWorkers:
         return {
             index: code
             for index, code in sorted(self._exits.items())
-            if code not in (0, None) or not self._done(index)
+            if code != 0 and (code is not None or not self._done(index))
         }
 
     def _take_reports(self) -> None:

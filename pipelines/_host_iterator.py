@@ -46,8 +46,12 @@ class BatchSource(Protocol):
 class Workers(Protocol):
     """The worker processes of an input path, watched so that errors can name them."""
 
-    def check(self, due: int) -> None:
-        """Raises `InputWorkerError` if a worker ended; batch `due` is awaited."""
+    def check(self, due: int, *, after_error: bool = False) -> None:
+        """Raises `InputWorkerError` if a worker ended; batch `due` is awaited.
+
+        `after_error`: the path raised an error of its own (a worker's, passed
+        on), after which a worker the path stopped on purpose is not a failure.
+        """
 
     def describe(self, batch_number: int) -> str:
         """Who prepares batch `batch_number` (a worker, its pid and state)."""
@@ -121,8 +125,10 @@ class HostIterator(Iterator[HostBatch]):
             raise
         except Exception:
             # A worker's death reaches here as the path's own error (Grain's
-            # RuntimeError), which does not say which worker it was.
-            self.check_workers()
+            # RuntimeError), which does not say which worker it was. A worker's
+            # own error (a bad batch, a limit breach) reaches here as itself,
+            # and the worker that raised it is stopped: the error stands.
+            self._check_workers(after_error=True)
             raise
         # Every batch checks, so that a worker is known while it lives: once
         # ended, it may no longer be found.
@@ -138,8 +144,11 @@ class HostIterator(Iterator[HostBatch]):
 
     def check_workers(self) -> None:
         """Raises `InputWorkerError` if a worker process ended (safe from any thread)."""
+        self._check_workers(after_error=False)
+
+    def _check_workers(self, *, after_error: bool) -> None:
         if self._workers is not None:
-            self._workers.check(self._next_batch)
+            self._workers.check(self._next_batch, after_error=after_error)
 
     def awaited(self) -> str:
         """The batch `next()` waits for and who prepares it, for errors (safe from any thread)."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparseflow import _train
+from sparseflow import _launch, _train
 from sparseflow._command_config import CommandConfig
 from sparseflow._errors import UsageError
 from sparseflow.config._run_config import RunConfig
@@ -70,11 +70,17 @@ class Trainer:
     ) -> _train.TrainResult:
         """Trains on `data` (default: the config's `dataset.train`) as `sparseflow train` does.
 
+        On CPU, as `sparseflow train` does, the backend shows the config's
+        `mesh.devices` virtual devices if JAX has not started it yet and
+        XLA_FLAGS does not set a count (a count JAX already uses must be
+        the config's).
+
         Raises:
           UsageError, ConfigError: a bad config, data or model (the message
             says which); the errors of `sparseflow train` otherwise.
         """
         config = self._run_config()
+        _launch.use_cpu_devices(config.mesh.devices)
         options = _train.TrainOptions(
             data=list(config.dataset.train_data) if data is None else data,
             eval_data=eval_data,

@@ -20,6 +20,7 @@ import pipeline_cases as cases
 import pytest
 from process_cases import alive, grain_workers, send_and_wait, wait_for
 
+import embedding
 import pipelines
 from pipelines import BatchingConfig, GrainOptions, make_grain_iterator
 from pipelines._worker_pipes import let_go, pipe_inodes
@@ -197,6 +198,25 @@ def test_a_worker_whose_share_was_taken_before_a_restore_may_end_at_once(files):
     finally:
         _close_and_check_workers_end(iterator, [])
     cases.assert_batches_equal([cases.flat(batch) for batch in taken], [expected])
+
+
+def test_a_workers_own_error_reaches_the_caller_as_itself(files):
+    # Limits of 1 id per partition: the first batch breaches them in the
+    # worker that lays it out; Grain passes the error on and stops the worker.
+    iterator = make_grain_iterator(
+        files,
+        batching=BatchingConfig(global_batch_size=BATCH, num_epochs=EPOCHS),
+        preprocess=cases.preprocess_config(
+            BATCH, local_devices=1, global_devices=1, partitions=1, limit=1
+        ),
+        options=GrainOptions(worker_count=2, worker_priority="normal"),
+    )
+    try:
+        with pytest.raises(embedding.LimitBreachError) as error:
+            _within(HANG_S, lambda: next(iterator), "reading a batch over the limits")
+    finally:
+        _close_and_check_workers_end(iterator, [])
+    assert error.value.batch_number == 0
 
 
 def test_letting_go_of_a_dead_writers_pipes_ends_the_wait_for_its_half_sent_message():

@@ -8,6 +8,7 @@ shuffled batch needs more ids in a partition than the stats allow.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 
@@ -131,6 +132,26 @@ def test_a_breach_raises_the_limit_records_it_and_training_goes_on(census, caplo
     for name, raised in raises.stacks.items():
         assert limits[name] == raised
     assert _first_breach(census, fdo_dir) is None
+
+
+def test_a_breach_in_a_grain_worker_raises_the_limit_as_one_in_process(census):
+    # The breach is raised inside a worker process and reaches the trainer
+    # through Grain, which then stops that worker: the error, not the
+    # worker's end, must reach the limit feedback.
+    _, _, config, _, _ = census
+    training = dataclasses.replace(config.training, workers=2, worker_priority="normal")
+    in_workers = _train.train(
+        dataclasses.replace(config, training=training),
+        _options(census, _fdo_copy(census, "fdo_workers")),
+    )
+    in_process = _train.train(config, _options(census, _fdo_copy(census, "fdo_in_process")))
+    assert in_workers.limits == in_process.limits
+    assert in_workers.limits != embedding.stack_limits(
+        _train._feature_specs(
+            config, _options(census, census[4]), _train.make_mesh(config.mesh.devices)
+        )
+    )
+    np.testing.assert_allclose(in_workers.losses, in_process.losses, rtol=1e-6)
 
 
 def test_a_pipelined_run_raises_the_limit_and_goes_on_as_if_started_from_it(census):
