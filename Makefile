@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # like a package may shadow it; here those folders are the packages. Only that
 # note is filtered: other warnings and every error still show.
 QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
-# The lookup's CPU kernels (embedding/_cpu_kernels.cc), built with the
+# The lookup's CPU kernels (embedding/_cpu_kernels/), built with the
 # machine's g++ against the installed jaxlib's FFI headers. Without a C++
 # compiler a note says so and make goes on: the pure-JAX path runs (a
 # compiler installed later builds the kernels at their first use).
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-$(KERNELS): $(STAMP) embedding/_cpu_kernels.cc
+$(KERNELS): $(STAMP) $(wildcard embedding/_cpu_kernels/*)
 	$(PY) -c "from embedding import _cpu_kernels; _cpu_kernels.prebuild()"
 	touch $(KERNELS)
 

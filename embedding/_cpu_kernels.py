@@ -4,7 +4,7 @@ On CPU, XLA runs the lookup's gathers and scatters element by element over
 whole buffers (their size is the layout's capacity, not the batch's ids),
 finds the layout's segments with a scatter and a prefix count, and merges a
 row's gradients through a buffer the size of the table shard. The kernels in
-`_cpu_kernels.cc` do the same work in linear passes over the entries and the
+`_cpu_kernels/` do the same work in linear passes over the entries and the
 received rows (`benchmarks/lookup.py` measures the difference):
 
 * `route`: one pass over a slot's layout gives every entry's place among
@@ -30,15 +30,16 @@ first use (`make` builds it ahead) into `embedding/` when writable, else the
 user's cache folder (`~/.cache/sparseflow`), under a name of two keys: the
 machine's (the CPU as the compiler resolves `-march=native` here, the
 compiler's identity and version, jaxlib's version: `_machine_key`) and the
-source's (with the flags). A folder shared between machines (a venv, a home,
-an image) holds one library per machine, and a process loads only its own
-machine's: another CPU's may hold instructions this one lacks, a crash no
-fallback catches. Without a compiler the machine's key is unknown, so no
-library loads: the pure-JAX path runs, after one warning line. A build
-deletes only libraries of its own machine built from another source, and
-only in `embedding/`, where no other source can ask for them; the cache
-folder, which installs of other versions may share, keeps every library
-(about 0.4 MB each; delete the folder to reclaim them).
+sources' (every file of `_cpu_kernels/`, with the flags: `_source_key`). A
+folder shared between machines (a venv, a home, an image) holds one library
+per machine, and a process loads only its own machine's: another CPU's may
+hold instructions this one lacks, a crash no fallback catches. Without a
+compiler the machine's key is unknown, so no library loads: the pure-JAX
+path runs, after one warning line. A build deletes only libraries of its own
+machine built from another source, and only in `embedding/`, where no other
+source can ask for them; the cache folder, which installs of other versions
+may share, keeps every library (about 0.4 MB each; delete the folder to
+reclaim them).
 
 Floating point: with `-march=native` the compiler fuses multiplies and adds
 (FMA) where the CPU has them, so results are bitwise the same for one
@@ -76,7 +77,10 @@ from embedding._optimizers import (
 )
 
 _LOG = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_suffix(".cc")
+# The kernels' sources: every file in the folder. The library is compiled
+# from `_UNIT`, which includes the others (one translation unit).
+_SOURCES = Path(__file__).with_suffix("")
+_UNIT = "kernels.cc"
 _TARGETS = {
     "SfSegments": "sparseflow_segments",
     "SfRoute": "sparseflow_route",
@@ -141,13 +145,25 @@ def _machine_key(compiler: str) -> str:
     return _digest((probe.stdout + probe.stderr + jaxlib.__version__).encode())
 
 
+def _source_key() -> str:
+    """What the library is built from: every source file, by name and
+    content (in the order of their names), and the flags."""
+    files = sorted(path for path in _SOURCES.iterdir() if path.is_file())
+    # One digest per file keeps the key unambiguous: text moved from one file
+    # to the next changes it.
+    parts = [
+        hashlib.sha256(f"{path.name}\0".encode() + path.read_bytes()).digest() for path in files
+    ]
+    return _digest(b"".join(parts) + " ".join(_FLAGS).encode())
+
+
 def _library_name(machine: str) -> str:
-    return f"{_PREFIX}{machine}-{_digest(_SOURCE.read_bytes() + ' '.join(_FLAGS).encode())}.so"
+    return f"{_PREFIX}{machine}-{_source_key()}.so"
 
 
 def _build_folders() -> list[Path]:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparseflow"
-    return [_SOURCE.parent, cache]
+    return [_SOURCES.parent, cache]
 
 
 def build() -> Path:
@@ -169,7 +185,7 @@ def build() -> Path:
         except OSError:
             continue
         os.close(handle)
-        command = [compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), str(_SOURCE)]
+        command = [compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), str(_SOURCES / _UNIT)]
         result = subprocess.run(
             [*command, "-o", temporary], capture_output=True, text=True, check=False
         )
@@ -182,8 +198,8 @@ def build() -> Path:
             raise RuntimeError(f"building the CPU kernels failed: {first_error}\n{result.stderr}")
         # Renaming into place is atomic: concurrent builds never load a half file.
         os.replace(temporary, folder / name)
-        if folder == _SOURCE.parent:
-            # Beside the source, a library of this machine and another source
+        if folder == _SOURCES.parent:
+            # Beside the sources, a library of this machine and another source
             # is one no source can ask for any more. Other machines' libraries
             # stay (a folder shared between machines serves each its own),
             # and nothing leaves the cache folder, which other installs of

@@ -5,6 +5,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +24,13 @@ from embedding._stack_geometry import StackGeometry
 
 
 def _package(tmp_path: Path, monkeypatch, source: str) -> Path:
-    """A package folder whose kernels' source is `source` (small, so that a
-    build takes a moment), as `build` sees it, beside an empty cache folder."""
+    """A package folder whose kernels' sources are `source` alone (small, so
+    that a build takes a moment), as `build` sees it, beside an empty cache
+    folder."""
     package = tmp_path / "embedding"
-    package.mkdir(exist_ok=True)
-    (package / "_cpu_kernels.cc").write_text(source)
-    monkeypatch.setattr(_cpu_kernels, "_SOURCE", package / "_cpu_kernels.cc")
+    (package / "_cpu_kernels").mkdir(parents=True, exist_ok=True)
+    (package / "_cpu_kernels" / _cpu_kernels._UNIT).write_text(source)
+    monkeypatch.setattr(_cpu_kernels, "_SOURCES", package / "_cpu_kernels")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
     return package
 
@@ -103,6 +105,43 @@ def test_make_notes_a_missing_compiler_and_goes_on(tmp_path, monkeypatch, capsys
     _cpu_kernels.prebuild()
     assert "note: the CPU kernels are not built" in capsys.readouterr().out
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_source_key_follows_every_source_file(tmp_path, monkeypatch):
+    """An edit to any one file of the kernels' sources names another library
+    (else the library built before the edit would load)."""
+    sources = tmp_path / "_cpu_kernels"
+    shutil.copytree(_cpu_kernels._SOURCES, sources)
+    monkeypatch.setattr(_cpu_kernels, "_SOURCES", sources)
+    before = _cpu_kernels._library_name("machine")
+    files = sorted(sources.iterdir())
+    assert len(files) > 1
+    for path in files:
+        text = path.read_bytes()
+        path.write_bytes(text + b"\n")
+        assert _cpu_kernels._library_name("machine") != before, path.name
+        path.write_bytes(text)
+    assert _cpu_kernels._library_name("machine") == before
+
+
+def test_the_build_reads_every_source_file_and_no_other(compiler):
+    """The files the compiler reads for the library, but for the system's and
+    jaxlib's headers (in the machine's key), are the kernels' sources: every
+    part is in the library, and the source key covers all it is built from."""
+    listing = subprocess.run(
+        [
+            compiler,
+            "-MM",
+            "-isystem",
+            jax.ffi.include_dir(),
+            _cpu_kernels._SOURCES / _cpu_kernels._UNIT,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    read = {Path(word).resolve() for word in listing.split()[1:] if word != "\\"}
+    assert read == {path.resolve() for path in _cpu_kernels._SOURCES.iterdir()}
 
 
 def test_the_machine_key_is_stable_and_follows_jaxlib(tmp_path, monkeypatch, compiler):
@@ -402,15 +441,21 @@ def test_update_merges_runs_in_run_order(rows, uniques, runs, dim, optimizer):
 
 @pytest.mark.parametrize("dim", [8, 12])
 @pytest.mark.parametrize("entries", [40, 40_000])
+@pytest.mark.parametrize(
+    "num_samples, slots, devices",
+    [(300, 2, 2), (20_000, 2, 2), (20_000, 1, 1)],
+    ids=["in_layout_order", "by_sample", "by_sample_one_run"],
+)
 @pytest.mark.usefixtures("cpu_kernels")
-def test_pool_and_its_transpose_against_float64(entries, dim):
+def test_pool_and_its_transpose_against_float64(num_samples, slots, devices, entries, dim):
     """Pooling by sample and its transpose by row (the rows, and the row
     gradients, in one piece per device, as an all-to-all takes and leaves
     them), on entries with holes
     (-1 rows, also between two entries of one row; padded samples), rows no
     entry names (their gradient is exactly zero), at 40k entries per slot work
-    cut into chunks, and rows of a width known at compile time (8) or not (12)."""
-    slots, devices, num_samples = 2, 2, 300
+    cut into chunks, and rows of a width known at compile time (8) or not (12);
+    with sums that fit in a core's cache (added in layout order) and sums
+    that do not (sorted by sample first, the rows in several runs or in one)."""
     num_rows = entries // 2  # slots * devices * uniques
     rng = np.random.default_rng(entries)
     # Rows ascend along the layout (slot after slot), as the route gives them.
