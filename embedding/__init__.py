@@ -14,12 +14,18 @@ from embedding._lookup import LayoutIndex, sparse_dense_matmul
 from embedding._mesh_geometry import MeshGeometry
 from embedding._minibatch import AllReduceInterface
 from embedding._optimizers import (
+    AdagradMomentumOptimizerSpec,
+    AdagradMomentumSlots,
     AdagradOptimizerSpec,
     AdagradSlots,
     AdamOptimizerSpec,
     AdamSlots,
+    F2AOptimizerSpec,
+    F2ASlots,
     FTRLOptimizerSpec,
     FTRLSlots,
+    LaPropOptimizerSpec,
+    LaPropSlots,
     OptimizerSpec,
     RowWiseAdagradOptimizerSpec,
     RowWiseAdagradSlots,
@@ -92,6 +98,8 @@ from embedding.fdo import (
 
 __all__ = [
     "checks",
+    "AdagradMomentumOptimizerSpec",
+    "AdagradMomentumSlots",
     "AdagradOptimizerSpec",
     "AdagradSlots",
     "AdamOptimizerSpec",
@@ -99,6 +107,8 @@ __all__ = [
     "AllReduceInterface",
     "Combiner",
     "EmbeddingVariables",
+    "F2AOptimizerSpec",
+    "F2ASlots",
     "FTRLOptimizerSpec",
     "FTRLSlots",
     "FdoBatchOrder",
@@ -110,6 +120,8 @@ __all__ = [
     "FeatureIdTransformation",
     "FeatureSpec",
     "InvalidIdPolicy",
+    "LaPropOptimizerSpec",
+    "LaPropSlots",
     "LayoutIndex",
     "LimitBreachError",
     "MeshGeometry",

@@ -2,9 +2,11 @@
 
 Every function takes the rows an update touches, `float32[rows, dim]`, the
 same rows of each slot variable, and the rows' summed gradients, and returns
-the new rows and slots (the spec's `slots_type`). The sharded update
-(`_update.py`) gathers the touched rows, calls `apply_optimizer` and
-scatters the results back; rows without a gradient in the batch are never
+the new rows and slots; the rules of jax-tpu-embedding's optimizers (Adam,
+LaProp, Adagrad with momentum, F2A) take the scalars of the spec's
+`get_hyperparameters(step)`, in its order, as the reference's primitives do.
+The sharded update (`_update.py`) gathers the touched rows, calls
+`apply_optimizer` and scatters the results back; rows without a gradient in the batch are never
 passed here, so they and their slots keep their values bit for bit ("lazy"
 updates).
 """
@@ -18,12 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from embedding._optimizers import (
+    AdagradMomentumOptimizerSpec,
     AdagradOptimizerSpec,
     AdagradSlots,
     AdamOptimizerSpec,
-    AdamSlots,
+    F2AOptimizerSpec,
     FTRLOptimizerSpec,
     FTRLSlots,
+    LaPropOptimizerSpec,
     OptimizerSpec,
     RowWiseAdagradOptimizerSpec,
     RowWiseAdagradSlots,
@@ -73,27 +77,85 @@ def adam(
     momentum: jax.Array,
     velocity: jax.Array,
     grads: jax.Array,
-    *,
-    learning_rate: Any,
-    beta_1: float,
-    beta_2: float,
-    epsilon: float,
-    step: Any,
+    alpha_t: Any,
+    beta_1: Any,
+    beta_2: Any,
+    epsilon_hat: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Adam with bias correction, at time `t = step + 1`.
+    """Adam with the bias correction in `alpha_t` and `epsilon_hat`
+    (`AdamOptimizerSpec.get_hyperparameters`).
 
-    `m' = b1 m + (1 - b1) g`, `v' = b2 v + (1 - b2) g^2`, and
-    `w' = w - lr * sqrt(1 - b2^t) / (1 - b1^t) * m' / (sqrt(v') + eps * sqrt(1 - b2^t))`,
-    which is `w - lr * m_hat / (sqrt(v_hat) + eps)` with `m_hat = m' / (1 - b1^t)`,
+    `m' = b1 m + (1 - b1) g`, `v' = b2 v + (1 - b2) g^2` and
+    `w' = w - alpha_t * m' / (sqrt(v') + epsilon_hat)`, which is
+    `w - lr * m_hat / (sqrt(v_hat) + eps)` with `m_hat = m' / (1 - b1^t)`,
     `v_hat = v' / (1 - b2^t)`. Returns `(w', m', v')`.
     """
-    t = jnp.asarray(step, jnp.float32) + 1
     momentum = beta_1 * momentum + (1 - beta_1) * grads
     velocity = beta_2 * velocity + (1 - beta_2) * grads * grads
-    root_correction = jnp.sqrt(1 - beta_2**t)
-    scale = learning_rate * root_correction / (1 - beta_1**t)
-    rows = rows - scale * momentum / (jnp.sqrt(velocity) + epsilon * root_correction)
+    rows = rows - alpha_t * momentum / (jnp.sqrt(velocity) + epsilon_hat)
     return rows, momentum, velocity
+
+
+def laprop(
+    rows: jax.Array,
+    mu: jax.Array,
+    nu: jax.Array,
+    grads: jax.Array,
+    learning_rate: Any,
+    b1: Any,
+    decay_rate: Any,
+    eps: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """LaProp (`LaPropOptimizerSpec`): `nu' = d nu + (1 - d)(g^2 + eps)`,
+    `mu' = b1 mu + sqrt(1 - b1^2) g / sqrt(nu')`, `w' = w - lr mu'`.
+    Returns `(w', mu', nu')`."""
+    nu = decay_rate * nu + (1 - decay_rate) * (grads * grads + eps)
+    mu = b1 * mu + jnp.sqrt(1 - b1 * b1) * grads / jnp.sqrt(nu)
+    return rows - learning_rate * mu, mu, nu
+
+
+def adagrad_momentum(
+    rows: jax.Array,
+    accumulator: jax.Array,
+    momentum: jax.Array,
+    grads: jax.Array,
+    learning_rate: Any,
+    momentum_decay: Any,
+    beta2: Any,
+    epsilon: Any,
+    exponent: Any,
+    use_nesterov: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Adagrad with momentum (`AdagradMomentumOptimizerSpec`). Returns
+    `(w', a', m')`."""
+    squared = grads * grads
+    accumulator = jnp.where(
+        beta2 == 1, accumulator + squared, beta2 * accumulator + (1 - beta2) * squared
+    )
+    scaled = (accumulator + epsilon) ** (-1 / exponent) * grads
+    momentum = momentum_decay * momentum + scaled
+    step = jnp.where(use_nesterov, momentum_decay * momentum + scaled, momentum)
+    return rows - learning_rate * step, accumulator, momentum
+
+
+def f2a(
+    rows: jax.Array,
+    accumulator: jax.Array,
+    local_step: jax.Array,
+    grads: jax.Array,
+    learning_rate: Any,
+    rho: Any,
+    l1: Any,
+    l2: Any,
+    max_lr_multiplier: Any,
+    global_step: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Frequency-aware Adagrad (`F2AOptimizerSpec`). Returns `(w', a', n')`."""
+    local_step = local_step + 1
+    boost = jnp.minimum((jnp.maximum(global_step, 1) / local_step) ** rho, max_lr_multiplier)
+    accumulator = accumulator + grads * grads
+    update = boost * grads / jnp.sqrt(accumulator) + l1 * jnp.sign(rows) + l2 * rows
+    return rows - learning_rate * update, accumulator, local_step
 
 
 def ftrl(
@@ -160,20 +222,16 @@ def _apply_rowwise_adagrad(
     return rows, RowWiseAdagradSlots(accumulator)
 
 
-def _apply_adam(spec: AdamOptimizerSpec, rows, slots, grads, learning_rate, step, row_dims):
-    del row_dims
-    rows, momentum, velocity = adam(
-        rows,
-        slots.momentum,
-        slots.velocity,
-        grads,
-        learning_rate=learning_rate,
-        beta_1=spec.beta_1,
-        beta_2=spec.beta_2,
-        epsilon=spec.epsilon,
-        step=step,
-    )
-    return rows, AdamSlots(momentum, velocity)
+def _with_hyperparameters(rule: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., Any]:
+    """The `_UPDATES` entry of a rule called as `rule(rows, *slots, grads,
+    *spec.get_hyperparameters(step))`, returning `(rows, *slots)`."""
+
+    def apply(spec, rows, slots, grads, learning_rate, step, row_dims):
+        del learning_rate, row_dims  # the hyperparameters hold the learning rate
+        rows, *new_slots = rule(rows, *slots, grads, *spec.get_hyperparameters(step))
+        return rows, spec.slots_type(*new_slots)
+
+    return apply
 
 
 def _apply_ftrl(spec: FTRLOptimizerSpec, rows, slots, grads, learning_rate, step, row_dims):
@@ -197,8 +255,11 @@ _UPDATES: dict[type, Callable[..., tuple[jax.Array, Any]]] = {
     SGDOptimizerSpec: _apply_sgd,
     AdagradOptimizerSpec: _apply_adagrad,
     RowWiseAdagradOptimizerSpec: _apply_rowwise_adagrad,
-    AdamOptimizerSpec: _apply_adam,
+    AdamOptimizerSpec: _with_hyperparameters(adam),
     FTRLOptimizerSpec: _apply_ftrl,
+    LaPropOptimizerSpec: _with_hyperparameters(laprop),
+    AdagradMomentumOptimizerSpec: _with_hyperparameters(adagrad_momentum),
+    F2AOptimizerSpec: _with_hyperparameters(f2a),
 }
 
 

@@ -14,6 +14,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 LearningRate = float | Callable[..., Any]
@@ -34,6 +36,22 @@ def _check_non_negative(owner: str, **values: float) -> None:
     for name, value in values.items():
         if not np.isfinite(value) or value < 0:
             raise ValueError(f"{owner}: {name} must be finite and >= 0, got {value!r}.")
+
+
+def _check_decay(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not 0 <= value < 1:
+            raise ValueError(f"{owner}: {name} must be in [0, 1), got {value!r}.")
+
+
+def _check_positive(owner: str, reason: str, **values: float) -> None:
+    for name, value in values.items():
+        if not np.isfinite(value) or not value > 0:
+            raise ValueError(f"{owner}: {name} must be finite and > 0 ({reason}), got {value!r}.")
+
+
+def _float32(*values: Any) -> tuple[jax.Array, ...]:
+    return tuple(jnp.asarray(value, jnp.float32) for value in values)
 
 
 class SGDSlots(NamedTuple):
@@ -85,6 +103,43 @@ class FTRLSlots(NamedTuple):
     linear: Any
 
 
+class LaPropSlots(NamedTuple):
+    """LaProp's state.
+
+    Attributes:
+      mu: `float32[rows, dim]`, the momentum of the normalized gradients.
+      nu: `float32[rows, dim]`, the moving average of squared gradients.
+    """
+
+    mu: Any
+    nu: Any
+
+
+class AdagradMomentumSlots(NamedTuple):
+    """Adagrad with momentum's state.
+
+    Attributes:
+      accumulator: `float32[rows, dim]`, the (decayed) sum of squared gradients.
+      momentum: `float32[rows, dim]`, the momentum of the scaled gradients.
+    """
+
+    accumulator: Any
+    momentum: Any
+
+
+class F2ASlots(NamedTuple):
+    """Frequency-aware Adagrad's state.
+
+    Attributes:
+      accumulator: `float32[rows, dim]`, the sum of squared gradients.
+      local_step: `float32[rows, dim]`, the number of updates each row got
+        (kept per element, as the reference keeps it).
+    """
+
+    accumulator: Any
+    local_step: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
     """Base of the optimizer specs.
@@ -95,7 +150,7 @@ class OptimizerSpec:
     """
 
     learning_rate: LearningRate = 0.001
-    short_name: ClassVar[str] = "base"
+    config_type: ClassVar[str] = "base"
     slots_type: ClassVar[type] = SGDSlots
 
     def __post_init__(self) -> None:
@@ -115,9 +170,22 @@ class OptimizerSpec:
             )
         return learning_rate(step)
 
+    def short_name(self) -> str:
+        """The optimizer's name in configs (`optimizer: {type: ...}`), e.g. "adagrad"."""
+        return self.config_type
+
+    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
+        """The update's scalar hyperparameters at `step`, `float32[]` each, in
+        jax-tpu-embedding's order; `(learning_rate,)` unless a spec adds more."""
+        return _float32(self.get_learning_rate(step))
+
     def slot_initial_values(self) -> Any:
         """The initial value of every slot variable, as a `slots_type`."""
         return self.slots_type()
+
+    def slot_variables_initializers(self) -> Any:
+        """A `slots_type` of `jax.nn.initializers.constant` of each slot's initial value."""
+        return self.slots_type(*map(jax.nn.initializers.constant, self.slot_initial_values()))
 
     def slot_shapes(self, rows: int, dim: int) -> Any:
         """The shape of every slot variable of a `[rows, dim]` table, as a
@@ -129,7 +197,7 @@ class OptimizerSpec:
 class SGDOptimizerSpec(OptimizerSpec):
     """Plain SGD: `w -= lr * g`. No slots."""
 
-    short_name: ClassVar[str] = "sgd"
+    config_type: ClassVar[str] = "sgd"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +209,7 @@ class AdagradOptimizerSpec(OptimizerSpec):
     """
 
     initial_accumulator_value: float = 0.1
-    short_name: ClassVar[str] = "adagrad"
+    config_type: ClassVar[str] = "adagrad"
     slots_type: ClassVar[type] = AdagradSlots
 
     def __post_init__(self) -> None:
@@ -175,7 +243,7 @@ class RowWiseAdagradOptimizerSpec(OptimizerSpec):
 
     initial_accumulator_value: float = 0.0
     epsilon: float = 1e-8
-    short_name: ClassVar[str] = "rowwise_adagrad"
+    config_type: ClassVar[str] = "rowwise_adagrad"
     slots_type: ClassVar[type] = RowWiseAdagradSlots
 
     def __post_init__(self) -> None:
@@ -211,16 +279,25 @@ class AdamOptimizerSpec(OptimizerSpec):
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-8
-    short_name: ClassVar[str] = "adam"
+    config_type: ClassVar[str] = "adam"
     slots_type: ClassVar[type] = AdamSlots
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("beta_1", "beta_2"):
-            value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(f"AdamOptimizerSpec: {name} must be in [0, 1), got {value!r}.")
+        _check_decay("AdamOptimizerSpec", beta_1=self.beta_1, beta_2=self.beta_2)
         _check_non_negative("AdamOptimizerSpec", epsilon=self.epsilon)
+
+    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
+        """`(alpha_t, beta_1, beta_2, epsilon_hat)` at time `t = step + 1` (step
+        None is 0): `alpha_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)` and
+        `epsilon_hat = epsilon * sqrt(1 - beta_2^t)`, the bias correction folded
+        into the step size (Kingma & Ba, section 2.1)."""
+        step = 0 if step is None else step
+        beta_1, beta_2, epsilon = _float32(self.beta_1, self.beta_2, self.epsilon)
+        root_correction = jnp.sqrt(1.0 - jnp.power(beta_2, step + 1))
+        (learning_rate,) = super().get_hyperparameters(step)
+        alpha_t = learning_rate * root_correction / (1.0 - jnp.power(beta_1, step + 1))
+        return alpha_t, beta_1, beta_2, epsilon * root_correction
 
     def slot_initial_values(self) -> AdamSlots:
         return AdamSlots(0.0, 0.0)
@@ -249,7 +326,7 @@ class FTRLOptimizerSpec(OptimizerSpec):
     initial_accumulator_value: float = 0.1
     initial_linear_value: float = 0.0
     multiply_linear_by_learning_rate: bool = False
-    short_name: ClassVar[str] = "ftrl"
+    config_type: ClassVar[str] = "ftrl"
     slots_type: ClassVar[type] = FTRLSlots
 
     def __post_init__(self) -> None:
@@ -271,5 +348,205 @@ class FTRLOptimizerSpec(OptimizerSpec):
                 f"{self.initial_accumulator_value!r}."
             )
 
+    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
+        """`(learning_rate, learning_rate_power, l1, l2, beta)`."""
+        return _float32(
+            self.get_learning_rate(step),
+            self.learning_rate_power,
+            self.l1_regularization_strength,
+            self.l2_regularization_strength,
+            self.beta,
+        )
+
     def slot_initial_values(self) -> FTRLSlots:
         return FTRLSlots(float(self.initial_accumulator_value), float(self.initial_linear_value))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaPropOptimizerSpec(OptimizerSpec):
+    """LaProp (Ziyin et al. 2020, arXiv:2002.04839), as jax-tpu-embedding
+    defines it: per element, with `d = decay_rate(step)`,
+
+        nu' = d * nu + (1 - d) * (g^2 + eps)
+        mu' = b1 * mu + sqrt(1 - b1^2) * g / sqrt(nu')
+        w'  = w - lr * mu'
+
+    The decay `d = b2 (1 - b2^step) / (1 - b2^(step + 1))` makes `nu'` the
+    bias-corrected average of the squared gradients (0 at step 0, so the
+    first `nu'` is `g^2 + eps`).
+
+    Attributes:
+      b1: decay of the momentum, in [0, 1).
+      b2: decay of the squared-gradient average, in [0, 1).
+      eps: added to every squared gradient, > 0 (a padding column's `nu'`
+        is `eps` alone, a divisor).
+      rms_clip_threshold: must be None (the reference does not support it).
+      initial_slot_value: starting value of both slots, >= 0.
+    """
+
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-30
+    rms_clip_threshold: float | None = None
+    initial_slot_value: float = 0.0
+    config_type: ClassVar[str] = "laprop"
+    slots_type: ClassVar[type] = LaPropSlots
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = "LaPropOptimizerSpec"
+        _check_decay(owner, b1=self.b1, b2=self.b2)
+        _check_positive(owner, "it is a divisor", eps=self.eps)
+        _check_non_negative(owner, initial_slot_value=self.initial_slot_value)
+        if self.rms_clip_threshold is not None:
+            raise ValueError(
+                f"{owner}: rms_clip_threshold is not supported (jax-tpu-embedding does not "
+                f"support it either); got {self.rms_clip_threshold!r}, pass None."
+            )
+
+    def get_decay_rate(self, step: Any = None) -> jax.Array:
+        """`float32[]`: the squared-gradient decay at `step`; `b2` when step is None."""
+        if step is None:
+            return jnp.asarray(self.b2, jnp.float32)
+        b2 = self.b2
+        return jnp.asarray(
+            b2 * (1.0 - jnp.power(b2, step)) / (1.0 - jnp.power(b2, step + 1.0)), jnp.float32
+        )
+
+    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
+        """`(learning_rate, b1, decay_rate(step), eps)`."""
+        learning_rate, b1, eps = _float32(self.get_learning_rate(step), self.b1, self.eps)
+        return learning_rate, b1, self.get_decay_rate(step), eps
+
+    def slot_initial_values(self) -> LaPropSlots:
+        return LaPropSlots(float(self.initial_slot_value), float(self.initial_slot_value))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdagradMomentumOptimizerSpec(OptimizerSpec):
+    """Adagrad with momentum, as jax-tpu-embedding defines it: per element,
+
+        a' = a + g^2                      (beta2 == 1)
+        a' = beta2 * a + (1 - beta2) g^2  (otherwise)
+        s  = (a' + epsilon)^(-1 / exponent) * g
+        m' = momentum * m + s
+        w' = w - lr * (momentum * m' + s if use_nesterov else m')
+
+    Attributes:
+      momentum: decay of the momentum slot, >= 0.
+      beta2: decay of the accumulator, in (0, 1]; 1 sums (Adagrad).
+      epsilon: added to the accumulator, >= 0.
+      exponent: the root taken of the accumulator, > 0 (2 for Adagrad).
+      use_nesterov: Nesterov's look-ahead form of the momentum step.
+      initial_accumulator_value: starting accumulator, >= 0; it and
+        `epsilon` must not both be 0 (their sum is raised to a negative power).
+      initial_momentum_value: starting momentum.
+    """
+
+    momentum: float = 0.9
+    beta2: float = 1.0
+    epsilon: float = 1e-10
+    exponent: float = 2.0
+    use_nesterov: bool = False
+    initial_accumulator_value: float = 0.1
+    initial_momentum_value: float = 0.0
+    config_type: ClassVar[str] = "adagrad_momentum"
+    slots_type: ClassVar[type] = AdagradMomentumSlots
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = "AdagradMomentumOptimizerSpec"
+        _check_non_negative(
+            owner,
+            momentum=self.momentum,
+            epsilon=self.epsilon,
+            initial_accumulator_value=self.initial_accumulator_value,
+        )
+        _check_positive(owner, "the root taken of the accumulator", exponent=self.exponent)
+        if not 0 < self.beta2 <= 1:
+            raise ValueError(f"{owner}: beta2 must be in (0, 1], got {self.beta2!r}.")
+        if self.initial_accumulator_value == 0 and self.epsilon == 0:
+            raise ValueError(
+                f"{owner}: initial_accumulator_value and epsilon are both 0, so a padding "
+                "column's scale is 0 to a negative power; make one of them positive."
+            )
+
+    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
+        """`(learning_rate, momentum, beta2, epsilon, exponent, use_nesterov)`,
+        the last `bool[]`."""
+        return (
+            *_float32(
+                self.get_learning_rate(step),
+                self.momentum,
+                self.beta2,
+                self.epsilon,
+                self.exponent,
+            ),
+            jnp.asarray(self.use_nesterov, jnp.bool_),
+        )
+
+    def slot_initial_values(self) -> AdagradMomentumSlots:
+        return AdagradMomentumSlots(
+            float(self.initial_accumulator_value), float(self.initial_momentum_value)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class F2AOptimizerSpec(OptimizerSpec):
+    """Frequency-aware Adagrad (F2A), as jax-tpu-embedding defines it: per
+    element of a row the batch updates, at global step `t = max(step, 1)`,
+
+        n' = n + 1                                  (the row's update count)
+        f  = min((t / n')^rho, max_lr_multiplier)   (rare rows learn faster)
+        a' = a + g^2
+        w' = w - lr * (f * g / sqrt(a') + l1 * sign(w) + l2 * w)
+
+    Attributes:
+      rho: the frequency boost's exponent, >= 0 (0 is Adagrad with decay).
+      initial_accumulator_value: starting accumulator, > 0 (its root is a
+        divisor).
+      initial_local_step_value: starting update count, >= 0.
+      l1_regularization_strength: L1 decay, >= 0.
+      l2_regularization_strength: L2 decay, >= 0.
+      max_lr_multiplier: the cap on `f`, > 0.
+    """
+
+    learning_rate: LearningRate = 0.01
+    rho: float = 0.5
+    initial_accumulator_value: float = 0.1
+    initial_local_step_value: float = 0.0
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    max_lr_multiplier: float = 1e6
+    config_type: ClassVar[str] = "f2a"
+    slots_type: ClassVar[type] = F2ASlots
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = "F2AOptimizerSpec"
+        _check_non_negative(
+            owner,
+            rho=self.rho,
+            initial_local_step_value=self.initial_local_step_value,
+            l1_regularization_strength=self.l1_regularization_strength,
+            l2_regularization_strength=self.l2_regularization_strength,
+        )
+        _check_positive(
+            owner, "its root is a divisor", initial_accumulator_value=self.initial_accumulator_value
+        )
+        _check_positive(owner, "the cap on the boost", max_lr_multiplier=self.max_lr_multiplier)
+
+    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
+        """`(learning_rate, rho, l1, l2, max_lr_multiplier, step)`; step None is 0."""
+        step = 0 if step is None else step
+        return _float32(
+            self.get_learning_rate(step),
+            self.rho,
+            self.l1_regularization_strength,
+            self.l2_regularization_strength,
+            self.max_lr_multiplier,
+            step,
+        )
+
+    def slot_initial_values(self) -> F2ASlots:
+        return F2ASlots(float(self.initial_accumulator_value), float(self.initial_local_step_value))

@@ -101,7 +101,7 @@ class TableSpec:
       vocabulary_size: number of rows; ids must lie in [0, vocabulary_size).
       embedding_dim: width of a row.
       initializer: `init(key, shape, dtype)`; see `embedding.initializers`.
-      optimizer: an `OptimizerSpec` (SGD, Adagrad, Adam, FTRL).
+      optimizer: an `OptimizerSpec` (`embedding/_optimizers.py`).
       combiner: "sum", "mean" or "sqrtn".
       max_ids_per_partition: limit on entries per partition slot per batch.
       max_unique_ids_per_partition: limit on distinct ids per partition slot.

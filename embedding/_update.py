@@ -271,7 +271,7 @@ def apply_gradients(
 
     The gradient of a row is the sum, over all its entries in the batch, of
     gain times the activation gradient of the entry's sample; each touched
-    row is updated once by its table's optimizer (SGD, Adagrad, row-wise Adagrad, Adam, FTRL)
+    row is updated once by its table's optimizer (`embedding/_optimizer_updates.py`)
     with the learning rate `optimizer.get_learning_rate(step)`. Rows without
     an entry in the batch keep their values and slots bit for bit.
 

@@ -24,6 +24,11 @@ differ (docs/switching.md lists it all):
   needs a device that has them: pass it explicitly.
 * `FDOClient` is `embedding.FdoClient`, a file client whose `load()` gives
   `FdoStats`, which `update_preprocessing_parameters` takes.
+  `NPZFileFDOClient` is the reference's file client, its files and
+  semantics.
+* `TableSpec` takes the reference's `_setting_in_stack=`,
+  `_stacked_table_spec=` and `quantization_config=`; a quantized table is
+  refused when it is placed in a stack.
 """
 
 from __future__ import annotations
@@ -36,13 +41,24 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from embedding._jte_specs import QuantizationConfig, TableSpec
 from embedding._lookup import sparse_dense_matmul
 from embedding._optimizers import (
+    AdagradMomentumOptimizerSpec,
+    AdagradMomentumSlots,
     AdagradOptimizerSpec,
+    AdagradSlots,
     AdamOptimizerSpec,
+    AdamSlots,
+    F2AOptimizerSpec,
+    F2ASlots,
     FTRLOptimizerSpec,
+    FTRLSlots,
+    LaPropOptimizerSpec,
+    LaPropSlots,
     OptimizerSpec,
     SGDOptimizerSpec,
+    SGDSlots,
 )
 from embedding._preprocess import (
     PreprocessedInput,
@@ -58,8 +74,8 @@ from embedding._specs import (
     FeatureSpec,
     StackedTableSpec,
     TableSettingInStack,
-    TableSpec,
 )
+from embedding._specs import TableSpec as _AnyTableSpec  # ours, or this module's subclass
 from embedding._stacking import (
     Nested,
     check_partition_count,
@@ -74,9 +90,18 @@ from embedding._variables import EmbeddingVariables as _Variables
 from embedding._variables import to_logical_order, to_sharded_order
 from embedding.fdo._client import FdoClient
 from embedding.fdo._file import FdoStats
-from embedding.fdo._limits import apply_fdo
+from embedding.fdo._limits import StackLimits, apply_fdo, set_stack_limits
+from embedding.fdo._npz_client import NPZFileFDOClient
 
 FDOClient = FdoClient
+# The reference's names of the optimizers' slot tuples.
+SGDSlotVariables = SGDSlots
+AdagradSlotVariables = AdagradSlots
+AdamSlotVariables = AdamSlots
+FTRLSlotVariables = FTRLSlots
+LaPropSlotVariables = LaPropSlots
+AdagradMomentumSlotVariables = AdagradMomentumSlots
+F2ASlotVariables = F2ASlots
 
 # Minibatching gives a batch up to 64 passes over the limits.
 _MAX_MINIBATCHES = 64
@@ -143,27 +168,72 @@ def prepare_feature_specs_for_training(
     return prepared
 
 
-def update_preprocessing_parameters(
-    feature_specs: Nested[FeatureSpec], stats: FdoStats, num_sc_per_device: int | None = None
-) -> Nested[FeatureSpec]:
-    """`embedding.apply_fdo` of `FDOClient.load()`'s stats, also stored into `feature_specs`.
+def _batch_stats_limits(
+    feature_specs: Nested[FeatureSpec], stats: SparseDenseMatmulInputStats, num_sc: int
+) -> dict[str, StackLimits]:
+    """The reference's reading of `NPZFileFDOClient.load()`'s stats: per
+    stack, the max of its arrays (at least 1), the buffer `max * num_sc`;
+    a stack the stats do not name keeps its limits.
 
     Raises:
-      TypeError: `stats` is not `FdoStats` (the reference's
-        `SparseDenseMatmulInputStats` of one batch carries no geometry).
-      ValueError: `num_sc_per_device` is not the stats' partitions per device.
+      ValueError: a feature is not prepared (the reference requires it too).
     """
-    if not isinstance(stats, FdoStats):
-        raise TypeError(
-            f"stats must be FdoStats (from FDOClient.load()), got {type(stats).__name__}."
+
+    def largest(arrays: Mapping[str, Any], name: str, current: int) -> int:
+        return max(1, int(np.max(arrays.get(name, current))))
+
+    limits = {}
+    for name, stack in get_stacked_table_specs(feature_specs).items():
+        buffer = stats.required_buffer_size_per_sc.get(name)
+        limits[name] = StackLimits(
+            max_ids_per_partition=largest(
+                stats.max_ids_per_partition, name, stack.max_ids_per_partition
+            ),
+            max_unique_ids_per_partition=largest(
+                stats.max_unique_ids_per_partition, name, stack.max_unique_ids_per_partition
+            ),
+            suggested_coo_buffer_size_per_device=(
+                stack.suggested_coo_buffer_size_per_device
+                if buffer is None
+                else max(1, int(np.max(buffer)) * num_sc)
+            ),
         )
+    return limits
+
+
+def update_preprocessing_parameters(
+    feature_specs: Nested[FeatureSpec],
+    stats: FdoStats | SparseDenseMatmulInputStats,
+    num_sc_per_device: int | None = None,
+) -> Nested[FeatureSpec]:
+    """New stack limits from FDO stats, also stored into `feature_specs`.
+
+    `FdoStats` (`FDOClient.load()`) go through `embedding.apply_fdo`;
+    `SparseDenseMatmulInputStats` (`NPZFileFDOClient.load()`) are read as the
+    reference reads them: per stack the max of each array, the buffer per
+    device `max(required_buffer_size_per_sc) * num_sc_per_device`.
+
+    Raises:
+      ValueError: `num_sc_per_device` is not the `FdoStats`' partitions per
+        device, or, with `SparseDenseMatmulInputStats`, a feature is not
+        prepared.
+    """
     num_sc = _num_sc(num_sc_per_device)
-    if num_sc != stats.geometry.partitions_per_device:
+    if isinstance(stats, SparseDenseMatmulInputStats):
+        prepared = set_stack_limits(
+            feature_specs,
+            _batch_stats_limits(feature_specs, stats, num_sc),
+            # The specs are prepared (checked above): the device count is not read.
+            global_device_count=1,
+            num_sc_per_device=num_sc,
+        )
+    elif num_sc != stats.geometry.partitions_per_device:
         raise ValueError(
             f"num_sc_per_device is {num_sc} but the stats were measured with "
             f"{stats.geometry.partitions_per_device} partitions per device."
         )
-    prepared = apply_fdo(feature_specs, stats)
+    else:
+        prepared = apply_fdo(feature_specs, stats)
     _update_in_place(feature_specs, prepared)
     return prepared
 
@@ -223,13 +293,13 @@ def compute_coo_buffer_size_per_device(
     }
 
 
-def _stacks(table_specs: Nested[TableSpec], num_shards: int) -> dict[str, list[TableSpec]]:
+def _stacks(table_specs: Nested[_AnyTableSpec], num_shards: int) -> dict[str, list[_AnyTableSpec]]:
     """Prepared members of every stack of `table_specs`, in row-offset order;
     an unprepared table stands alone in a stack of its name (as preparing does)."""
     check_partition_count(num_shards, 1)
-    stacks: dict[str, list[TableSpec]] = {}
+    stacks: dict[str, list[_AnyTableSpec]] = {}
     for table in jax.tree.leaves(table_specs):
-        if not isinstance(table, TableSpec):
+        if not isinstance(table, _AnyTableSpec):
             raise TypeError(f"Expected TableSpec leaves, got {type(table).__name__}.")
         if not table.is_stacked():
             table = own_stack(table, num_shards, total_sample_count=1)
@@ -240,7 +310,7 @@ def _stacks(table_specs: Nested[TableSpec], num_shards: int) -> dict[str, list[T
 
 
 def stack_and_shard_tables(
-    table_specs: Nested[TableSpec],
+    table_specs: Nested[_AnyTableSpec],
     tables: Nested[Any],
     num_shards: int,
     pad_value: float = np.nan,
@@ -274,7 +344,7 @@ def stack_and_shard_tables(
 
 
 def unshard_and_unstack_tables(
-    table_specs: Nested[TableSpec], stacked_tables: Mapping[str, Any], num_shards: int
+    table_specs: Nested[_AnyTableSpec], stacked_tables: Mapping[str, Any], num_shards: int
 ) -> Nested[np.ndarray]:
     """Inverse of `stack_and_shard_tables`: the pytree of `table_specs` with
     each table's `[vocabulary_size, embedding_dim]` values (numpy)."""
@@ -440,16 +510,28 @@ def tpu_sparse_dense_matmul_grad(
 
 
 __all__ = [
+    "AdagradMomentumOptimizerSpec",
+    "AdagradMomentumSlotVariables",
     "AdagradOptimizerSpec",
+    "AdagradSlotVariables",
     "AdamOptimizerSpec",
+    "AdamSlotVariables",
     "EmbeddingVariables",
+    "F2AOptimizerSpec",
+    "F2ASlotVariables",
     "FDOClient",
     "FTRLOptimizerSpec",
+    "FTRLSlotVariables",
     "FeatureIdTransformation",
     "FeatureSpec",
+    "LaPropOptimizerSpec",
+    "LaPropSlotVariables",
+    "NPZFileFDOClient",
     "OptimizerSpec",
     "PreprocessedInput",
+    "QuantizationConfig",
     "SGDOptimizerSpec",
+    "SGDSlotVariables",
     "SparseDenseMatmulInput",
     "SparseDenseMatmulInputStats",
     "StackedTableSpec",

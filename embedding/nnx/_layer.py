@@ -26,7 +26,7 @@ class Embed(nnx.Module):
     and an `EmbeddingStep`. Calling the layer looks up a preprocessed batch;
     differentiating through the call yields, as the "gradient" of every
     `EmbeddingParam`, its value after one step of its table's optimizer spec
-    (SGD, Adagrad, row-wise Adagrad, Adam, FTRL) at the layer's step. Train it
+    (any `embedding.OptimizerSpec`) at the layer's step. Train it
     with `PartitionedOptimizer`, which writes those values back.
 
     Call the layer exactly once in a loss that is differentiated: two calls

@@ -20,11 +20,17 @@ from sparseflow.config._checker import (
 from sparseflow.config._mesh import MeshConfig
 
 _OPTIMIZERS: dict[str, type[embedding.OptimizerSpec]] = {
-    "sgd": embedding.SGDOptimizerSpec,
-    "adagrad": embedding.AdagradOptimizerSpec,
-    "rowwise_adagrad": embedding.RowWiseAdagradOptimizerSpec,
-    "adam": embedding.AdamOptimizerSpec,
-    "ftrl": embedding.FTRLOptimizerSpec,
+    spec.config_type: spec
+    for spec in (
+        embedding.SGDOptimizerSpec,
+        embedding.AdagradOptimizerSpec,
+        embedding.RowWiseAdagradOptimizerSpec,
+        embedding.AdamOptimizerSpec,
+        embedding.FTRLOptimizerSpec,
+        embedding.LaPropOptimizerSpec,
+        embedding.AdagradMomentumOptimizerSpec,
+        embedding.F2AOptimizerSpec,
+    )
 }
 _INITIALIZERS: dict[str, type] = {
     "normal": initializers.Normal,

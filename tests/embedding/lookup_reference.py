@@ -1,7 +1,8 @@
 """Test cases and float64 numpy references for the sharded lookup and updates.
 
 The references are written from the math (docs/design.md sections 1 and 5, the
-optimizers' papers and TensorFlow's `ApplyFtrl` documentation), on dense
+optimizers' papers, TensorFlow's `ApplyFtrl` documentation and the update
+rules jax-tpu-embedding publishes for LaProp, Adagrad with momentum and F2A), on dense
 logical tables, with explicit loops over samples and ids; they share nothing
 with the implementation.
 
@@ -186,6 +187,38 @@ def _ftrl(spec: embedding.FTRLOptimizerSpec, w, slots, g, lr):
     return new_w, {"accumulator": new_accum, "linear": linear}
 
 
+def _laprop(spec: embedding.LaPropOptimizerSpec, w, slots, g, lr, step):
+    """LaProp (arXiv:2002.04839) with the squared-gradient average corrected
+    for its start at 0, eps added to every squared gradient."""
+    b2 = spec.b2
+    decay = b2 * (1 - b2**step) / (1 - b2 ** (step + 1))
+    nu = decay * slots["nu"] + (1 - decay) * (g * g + spec.eps)
+    mu = spec.b1 * slots["mu"] + math.sqrt(1 - spec.b1**2) * g / np.sqrt(nu)
+    return w - lr * mu, {"mu": mu, "nu": nu}
+
+
+def _adagrad_momentum(spec: embedding.AdagradMomentumOptimizerSpec, w, slots, g, lr):
+    """Adagrad (summed, or decayed by beta2 < 1) feeding a heavy-ball momentum."""
+    if spec.beta2 == 1:
+        accumulator = slots["accumulator"] + g * g
+    else:
+        accumulator = spec.beta2 * slots["accumulator"] + (1 - spec.beta2) * g * g
+    scaled = g / (accumulator + spec.epsilon) ** (1 / spec.exponent)
+    momentum = spec.momentum * slots["momentum"] + scaled
+    step = spec.momentum * momentum + scaled if spec.use_nesterov else momentum
+    return w - lr * step, {"accumulator": accumulator, "momentum": momentum}
+
+
+def _f2a(spec: embedding.F2AOptimizerSpec, w, slots, g, lr, step):
+    """Adagrad whose step grows for rows updated less often than every step."""
+    local_step = slots["local_step"] + 1
+    boost = np.minimum((max(step, 1) / local_step) ** spec.rho, spec.max_lr_multiplier)
+    accumulator = slots["accumulator"] + g * g
+    decay = spec.l1_regularization_strength * np.sign(w) + spec.l2_regularization_strength * w
+    new_w = w - lr * (boost * g / np.sqrt(accumulator) + decay)
+    return new_w, {"accumulator": accumulator, "local_step": local_step}
+
+
 def update_row(spec: embedding.OptimizerSpec, w, slots: dict, g, step: int):
     """One optimizer step on one row (float64)."""
     lr = _learning_rate(spec, step)
@@ -204,6 +237,12 @@ def update_row(spec: embedding.OptimizerSpec, w, slots: dict, g, step: int):
         v = spec.beta_2 * slots["velocity"] + (1 - spec.beta_2) * g * g
         m_hat, v_hat = m / (1 - spec.beta_1**t), v / (1 - spec.beta_2**t)
         return w - lr * m_hat / (np.sqrt(v_hat) + spec.epsilon), {"momentum": m, "velocity": v}
+    if isinstance(spec, embedding.LaPropOptimizerSpec):
+        return _laprop(spec, w, slots, g, lr, step)
+    if isinstance(spec, embedding.AdagradMomentumOptimizerSpec):
+        return _adagrad_momentum(spec, w, slots, g, lr)
+    if isinstance(spec, embedding.F2AOptimizerSpec):
+        return _f2a(spec, w, slots, g, lr, step)
     return _ftrl(spec, w, slots, g, lr)
 
 

@@ -148,6 +148,23 @@ def test_feature_spec_table_must_be_a_table_spec():
             embedding.FTRLSlots(accumulator=0.2, linear=-1.0),
             embedding.FTRLSlots(accumulator=(64, 8), linear=(64, 8)),
         ),
+        (
+            embedding.LaPropOptimizerSpec(initial_slot_value=0.25),
+            embedding.LaPropSlots(mu=0.25, nu=0.25),
+            embedding.LaPropSlots(mu=(64, 8), nu=(64, 8)),
+        ),
+        (
+            embedding.AdagradMomentumOptimizerSpec(
+                initial_accumulator_value=0.3, initial_momentum_value=0.1
+            ),
+            embedding.AdagradMomentumSlots(accumulator=0.3, momentum=0.1),
+            embedding.AdagradMomentumSlots(accumulator=(64, 8), momentum=(64, 8)),
+        ),
+        (
+            embedding.F2AOptimizerSpec(initial_accumulator_value=0.2, initial_local_step_value=3),
+            embedding.F2ASlots(accumulator=0.2, local_step=3.0),
+            embedding.F2ASlots(accumulator=(64, 8), local_step=(64, 8)),
+        ),
     ],
 )
 def test_optimizer_slots(spec, slots, shapes):
@@ -156,6 +173,85 @@ def test_optimizer_slots(spec, slots, shapes):
     assert type(initial) is type(slots) is spec.slots_type
     assert initial == slots
     assert spec.slot_shapes(64, 8) == shapes
+    initializers_ = spec.slot_variables_initializers()
+    assert type(initializers_) is spec.slots_type
+    for init, value in zip(initializers_, slots, strict=True):
+        np.testing.assert_array_equal(init(jax.random.key(0), (2, 3)), np.full((2, 3), value, "f4"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        (embedding.SGDOptimizerSpec(), "sgd"),
+        (embedding.AdagradOptimizerSpec(), "adagrad"),
+        (embedding.RowWiseAdagradOptimizerSpec(), "rowwise_adagrad"),
+        (embedding.AdamOptimizerSpec(), "adam"),
+        (embedding.FTRLOptimizerSpec(), "ftrl"),
+        (embedding.LaPropOptimizerSpec(), "laprop"),
+        (embedding.AdagradMomentumOptimizerSpec(), "adagrad_momentum"),
+        (embedding.F2AOptimizerSpec(), "f2a"),
+    ],
+)
+def test_optimizer_short_name(spec, name):
+    assert spec.short_name() == name == spec.config_type
+
+
+def _schedule(step):
+    return 1.0 - 0.01 * step
+
+
+def _f32(*values) -> tuple:
+    return tuple(np.float32(v) for v in values)
+
+
+@pytest.mark.parametrize(
+    ("spec", "step", "expected"),
+    [
+        (embedding.SGDOptimizerSpec(learning_rate=_schedule), 10, _f32(0.9)),
+        (embedding.RowWiseAdagradOptimizerSpec(learning_rate=0.3), None, _f32(0.3)),
+        (
+            embedding.FTRLOptimizerSpec(_schedule, -0.25, 0.01, 0.02, 0.5),
+            0,
+            _f32(1.0, -0.25, 0.01, 0.02, 0.5),
+        ),
+        (
+            embedding.AdamOptimizerSpec(_schedule, beta_1=0.5, beta_2=0.75, epsilon=0.1),
+            1,
+            # t = 2: alpha_t = 0.99 * sqrt(1 - 0.75^2) / (1 - 0.5^2)
+            _f32(0.99 * np.sqrt(0.4375) / 0.75, 0.5, 0.75, 0.1 * np.sqrt(0.4375)),
+        ),
+        (
+            embedding.LaPropOptimizerSpec(_schedule, b1=0.8, b2=0.5, eps=1e-6),
+            2,
+            # decay = b2 (1 - b2^2) / (1 - b2^3)
+            _f32(0.98, 0.8, 0.5 * 0.75 / 0.875, 1e-6),
+        ),
+        (embedding.LaPropOptimizerSpec(0.1, b2=0.5), None, _f32(0.1, 0.9, 0.5, 1e-30)),
+        (embedding.LaPropOptimizerSpec(0.1, b2=0.5), 0, _f32(0.1, 0.9, 0.0, 1e-30)),
+        (
+            embedding.AdagradMomentumOptimizerSpec(_schedule, 0.7, 0.9, 1e-4, 3.0, True),
+            5,
+            (*_f32(0.95, 0.7, 0.9, 1e-4, 3.0), np.True_),
+        ),
+        (
+            embedding.F2AOptimizerSpec(
+                _schedule,
+                rho=0.25,
+                l1_regularization_strength=0.01,
+                l2_regularization_strength=0.02,
+                max_lr_multiplier=8,
+            ),
+            7,
+            _f32(0.93, 0.25, 0.01, 0.02, 8, 7),
+        ),
+        (embedding.F2AOptimizerSpec(0.5), None, _f32(0.5, 0.5, 0, 0, 1e6, 0)),
+    ],
+)
+def test_optimizer_hyperparameters(spec, step, expected):
+    """In jax-tpu-embedding's order, float32 (bool for Nesterov) scalars."""
+    actual = spec.get_hyperparameters(step)
+    assert [np.asarray(a).dtype for a in actual] == [np.asarray(e).dtype for e in expected]
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=1e-6)
 
 
 def test_a_misspelt_slot_is_an_attribute_error():
@@ -184,6 +280,16 @@ def test_optimizer_positional_arguments_follow_the_reference_order():
     ftrl = embedding.FTRLOptimizerSpec(0.1, -0.25, 0.01, 0.02)
     assert (ftrl.learning_rate_power, ftrl.l1_regularization_strength) == (-0.25, 0.01)
     assert ftrl.l2_regularization_strength == 0.02
+    laprop = embedding.LaPropOptimizerSpec(0.1, 0.8, 0.9, 1e-6, None, 0.5)
+    assert (laprop.b1, laprop.b2, laprop.eps, laprop.initial_slot_value) == (0.8, 0.9, 1e-6, 0.5)
+    momentum = embedding.AdagradMomentumOptimizerSpec(0.1, 0.8, 0.9, 1e-6, 3.0, True, 0.2, 0.1)
+    assert (momentum.momentum, momentum.beta2, momentum.epsilon) == (0.8, 0.9, 1e-6)
+    assert (momentum.exponent, momentum.use_nesterov) == (3.0, True)
+    assert (momentum.initial_accumulator_value, momentum.initial_momentum_value) == (0.2, 0.1)
+    f2a = embedding.F2AOptimizerSpec(0.1, 0.6, 0.2, 1.0, 0.01, 0.02, 100.0)
+    assert (f2a.rho, f2a.initial_accumulator_value, f2a.initial_local_step_value) == (0.6, 0.2, 1)
+    assert (f2a.l1_regularization_strength, f2a.l2_regularization_strength) == (0.01, 0.02)
+    assert f2a.max_lr_multiplier == 100.0
 
 
 @pytest.mark.parametrize(
@@ -203,6 +309,23 @@ def test_optimizer_positional_arguments_follow_the_reference_order():
         (lambda: embedding.SGDOptimizerSpec(learning_rate=-0.1), "learning_rate"),
         (lambda: embedding.SGDOptimizerSpec(learning_rate=float("nan")), "learning_rate"),
         (lambda: embedding.AdagradOptimizerSpec(learning_rate=float("inf")), "learning_rate"),
+        (lambda: embedding.LaPropOptimizerSpec(b1=1.0), "b1 must be in"),
+        (lambda: embedding.LaPropOptimizerSpec(b2=-0.5), "b2 must be in"),
+        (lambda: embedding.LaPropOptimizerSpec(eps=0.0), "eps must be finite and > 0"),
+        (lambda: embedding.LaPropOptimizerSpec(rms_clip_threshold=1.0), "rms_clip_threshold"),
+        (lambda: embedding.LaPropOptimizerSpec(initial_slot_value=-1), "initial_slot_value"),
+        (lambda: embedding.AdagradMomentumOptimizerSpec(beta2=0.0), r"beta2 must be in \(0, 1\]"),
+        (lambda: embedding.AdagradMomentumOptimizerSpec(beta2=1.5), r"beta2 must be in"),
+        (lambda: embedding.AdagradMomentumOptimizerSpec(exponent=0), "exponent must be"),
+        (lambda: embedding.AdagradMomentumOptimizerSpec(momentum=-0.1), "momentum must be"),
+        (
+            lambda: embedding.AdagradMomentumOptimizerSpec(initial_accumulator_value=0, epsilon=0),
+            "both 0",
+        ),
+        (lambda: embedding.F2AOptimizerSpec(initial_accumulator_value=0), "> 0"),
+        (lambda: embedding.F2AOptimizerSpec(rho=-1), "rho must be"),
+        (lambda: embedding.F2AOptimizerSpec(max_lr_multiplier=0), "max_lr_multiplier"),
+        (lambda: embedding.F2AOptimizerSpec(l1_regularization_strength=-1), "l1_regular"),
     ],
 )
 def test_optimizer_validation(make, message):

@@ -56,6 +56,32 @@ OPTIMIZERS = {
         initial_accumulator_value=0.4,
         multiply_linear_by_learning_rate=True,
     ),
+    "laprop": embedding.LaPropOptimizerSpec(
+        learning_rate=lambda step: 0.05 / (1.0 + step), b1=0.8, b2=0.9, eps=1e-6
+    ),
+    "adagrad_momentum": embedding.AdagradMomentumOptimizerSpec(
+        learning_rate=lambda step: 0.2 * 0.5**step, momentum=0.8, initial_accumulator_value=0.3
+    ),
+    "adagrad_momentum_nesterov": embedding.AdagradMomentumOptimizerSpec(
+        learning_rate=0.1,
+        momentum=0.7,
+        beta2=0.9,
+        epsilon=1e-3,
+        exponent=3.0,
+        use_nesterov=True,
+        initial_accumulator_value=0.2,
+        initial_momentum_value=0.05,
+    ),
+    # Over three steps a row first updated at step 2 gets the boost
+    # sqrt(2 / 1), capped at 1.2; rows updated twice get 1 or less.
+    "f2a": embedding.F2AOptimizerSpec(
+        learning_rate=lambda step: 0.3 / (1.0 + step),
+        rho=0.5,
+        initial_accumulator_value=0.2,
+        l1_regularization_strength=0.01,
+        l2_regularization_strength=0.02,
+        max_lr_multiplier=1.2,
+    ),
 }
 
 
@@ -75,16 +101,20 @@ def _gather_all(variables, specs, mesh, slots) -> tuple[dict, dict]:
     return tables, slot_values
 
 
-def _activation_grads(seed: int) -> dict[str, np.ndarray]:
+def _activation_grads(seed: int, *, positive: bool = False) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {
+    grads = {
         f: rng.normal(size=(BATCH, TABLES[t][1])).astype(np.float32)
         for f, t in FEATURE_TABLES.items()
     }
+    return {f: np.abs(g) for f, g in grads.items()} if positive else grads
 
 
-def _run_steps(optimizers: dict, combiner: str, devices: int, slots: int, steps: int):
-    """`steps` updates on fresh variables, each with its own batch.
+def _run_steps(
+    optimizers: dict, combiner: str, devices: int, slots: int, steps: int, *, positive=False
+):
+    """`steps` updates on fresh variables, each with its own batch
+    (`positive`: activation gradients >= 0).
 
     Returns (before, after, reference, batches): gathered tables and slots
     before and after, and the float64 reference computed from `before`.
@@ -99,7 +129,7 @@ def _run_steps(optimizers: dict, combiner: str, devices: int, slots: int, steps:
     batches = []
     for step in range(steps):
         batch = make_batch(10 + step)
-        grads = _activation_grads(step)
+        grads = _activation_grads(step, positive=positive)
         variables = jax.block_until_ready(
             embedding.apply_gradients(
                 grads, preprocess(batch, specs, devices, slots), variables, specs, mesh, step
@@ -119,6 +149,9 @@ def _assert_close(actual, expected) -> None:
     np.testing.assert_allclose(actual, expected, rtol=2e-5, atol=2e-6)
 
 
+# The optimizers whose owner update has a CPU kernel (`_cpu_kernels`).
+_KERNEL_UPDATES = ("sgd", "adagrad", "rowwise_adagrad")
+
 # Each case runs two optimizers (one per stack) on one geometry, so that every
 # optimizer and every device count is covered by few compilations.
 CASES = [
@@ -129,14 +162,37 @@ CASES = [
     ("rowwise_adagrad", "rowwise_adagrad", "mean", 2, 2),
     ("sgd", "rowwise_adagrad", "sum", 8, 1),
 ]
+# Each of jax-tpu-embedding's other optimizers on a table of its own ("a") and
+# on a stack ("bc"), on one device and on eight.
+JTE_CASES = [
+    ("laprop", "adagrad_momentum_nesterov", "mean", 1, 1),
+    ("adagrad_momentum", "f2a", "sum", 1, 1),
+    ("f2a", "laprop", "sqrtn", 1, 1),
+    ("adagrad_momentum_nesterov", "laprop", "sum", 8, 1),
+    ("laprop", "f2a", "mean", 8, 1),
+    ("f2a", "adagrad_momentum", "sqrtn", 8, 1),
+]
+# The JTE cases run three steps (F2A's boost needs a global step above 1) on
+# activation gradients >= 0, so that a row's float32 gradient sum carries no
+# cancellation (LaProp's g / sqrt(nu) would turn it into relative error of its
+# slot), within rtol 1e-5; atol admits the float32 rounding of weights that
+# an update brings near 0 (`w - lr * u`, operands near 1).
+_RUNS = {
+    "cases": ({"steps": 2}, {"rtol": 2e-5, "atol": 2e-6}),
+    "jte_cases": ({"steps": 3, "positive": True}, {"rtol": 1e-5, "atol": 1e-6}),
+}
 
 
-@pytest.mark.parametrize(("a", "bc", "combiner", "devices", "slots"), CASES)
-def test_optimizers_match_reference(a, bc, combiner, devices, slots):
-    """Two steps (slots carry over, schedules and Adam's t advance); rows
+@pytest.mark.parametrize(
+    ("a", "bc", "combiner", "devices", "slots", "run"),
+    [(*case, "cases") for case in CASES] + [(*case, "jte_cases") for case in JTE_CASES],
+)
+def test_optimizers_match_reference(a, bc, combiner, devices, slots, run):
+    """Several steps (slots carry over, schedules and the step advance); rows
     never looked up keep their bits, in the table and in every slot."""
+    steps, tolerance = _RUNS[run]
     before, after, reference, batches = _run_steps(
-        _per_table(a, bc), combiner, devices, slots, steps=2
+        _per_table(a, bc), combiner, devices, slots, **steps
     )
     looked_up = touched(*batches)
     for table in TABLES:
@@ -148,7 +204,7 @@ def test_optimizers_match_reference(a, bc, combiner, devices, slots):
             for slot, values in reference[1][table].items()
         ]
         for new, old, expected in pairs:
-            _assert_close(new[rows], expected[rows])
+            np.testing.assert_allclose(new[rows], expected[rows], **tolerance)
             np.testing.assert_array_equal(new[others], old[others])
         assert not np.array_equal(after[0][table][rows], before[0][table][rows])
 
@@ -337,10 +393,14 @@ def test_layout_index_of_another_geometry_is_rejected():
         )
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize(
+    "optimizer", ["sgd", "adagrad", "rowwise_adagrad", "laprop", "adagrad_momentum", "f2a"]
+)
 def test_update_runs_in_the_kernel_in_place(optimizer, lookup_path):
-    """On the kernel path the owner's merge and update is one custom call per
-    stack, its table and slot aliased to the outputs; on the other, none."""
+    """On the kernel path the owner's merge and update of SGD, Adagrad and
+    row-wise Adagrad is one custom call per stack, its table and slot aliased
+    to the outputs; on the other path, and for the optimizers without a
+    kernel on both, none (they run the pure-JAX update, in place too)."""
     devices, slots = 2, 2
     specs, mesh = feature_specs("sum", OPTIMIZERS[optimizer], devices, slots), mesh_of(devices)
     variables = jax.eval_shape(
@@ -354,9 +414,9 @@ def test_update_runs_in_the_kernel_in_place(optimizer, lookup_path):
         donate_argnums=0,
     )
     text = step.lower(variables).compile().as_text()
-    target = f"sparseflow_update_{optimizer}"
-    calls = len(re.findall(rf'custom_call_target="{target}"', text))
-    assert calls == (len(variables) if lookup_path == "cpu_kernels" else 0)
+    calls = re.findall(r'custom_call_target="sparseflow_update_(\w+)"', text)
+    in_kernel = lookup_path == "cpu_kernels" and optimizer in _KERNEL_UPDATES
+    assert calls == ([optimizer] * len(variables) if in_kernel else [])
     header = text.splitlines()[0].split("entry_computation_layout")[0]
     num_buffers = sum(1 + len(v.slots) for v in variables.values())
     assert len(re.findall(r"(?:may|must)-alias", header)) == num_buffers

@@ -179,6 +179,31 @@ def test_valid_config_builds_the_synthetic_dataset(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "expected"),
+    [
+        (
+            {"type": "laprop", "learning_rate": 0.01, "b1": 0.8, "b2": 0.9, "eps": 1e-8},
+            embedding.LaPropOptimizerSpec(learning_rate=0.01, b1=0.8, b2=0.9, eps=1e-8),
+        ),
+        (
+            {"type": "adagrad_momentum", "momentum": 0.8, "exponent": 4, "use_nesterov": True},
+            embedding.AdagradMomentumOptimizerSpec(momentum=0.8, exponent=4, use_nesterov=True),
+        ),
+        (
+            {"type": "f2a", "rho": 0.25, "max_lr_multiplier": 10, "l1_regularization_strength": 1},
+            embedding.F2AOptimizerSpec(
+                rho=0.25, max_lr_multiplier=10, l1_regularization_strength=1
+            ),
+        ),
+    ],
+)
+def test_jax_tpu_embedding_optimizers_by_type(tmp_path, optimizer, expected):
+    config = _base()
+    config["tables"][2]["optimizer"] = optimizer
+    assert load_config(_write(tmp_path, config)).tables["c"].optimizer == expected
+
+
 def test_optional_sections_take_their_defaults(tmp_path):
     raw = _base()
     del raw["preprocessing"], raw["stacks"], raw["synthetic"]["shards"]
@@ -428,7 +453,7 @@ ERROR_CASES = {
     "unknown optimizer": (
         _set("tables.0.optimizer.type", "rmsprop"),
         "tables[0].optimizer.type: unknown optimizer type 'rmsprop'; choose one of: sgd, "
-        "adagrad, rowwise_adagrad, adam, ftrl",
+        "adagrad, rowwise_adagrad, adam, ftrl, laprop, adagrad_momentum, f2a",
     ),
     "unknown initializer": (
         _set("tables.0.initializer.type", "xavier"),
@@ -551,7 +576,7 @@ def test_demo_config_has_the_documented_shape():
     readers = [f.table_spec.name for f in config.feature_specs.values()]
     assert any(readers.count(name) > 1 for name in config.tables)
     assert any(f.table_spec.is_stacked() for f in config.feature_specs.values())
-    assert {t.optimizer.short_name for t in config.tables.values()} == {
+    assert {t.optimizer.short_name() for t in config.tables.values()} == {
         "sgd",
         "adagrad",
         "rowwise_adagrad",
