@@ -21,6 +21,7 @@ ranges complete. Fragments are joined by batch number in record order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
@@ -31,10 +32,8 @@ import pipelines
 from beam_jobs._record_urls import is_url, local_copy
 from embedding import RaggedIds
 from pipelines import DataError
-from pipelines._tensorflow import tf
 
 _ARRAY_RECORD_SUFFIX = ".array_record"
-_TFRECORD_READ_BATCH = 1024
 _NO_RECORDS = np.zeros(0, np.int64)
 
 
@@ -66,15 +65,17 @@ def count_records(path: str) -> int:
                     return reader.num_records()
                 finally:
                     reader.close()
-            return int(tf.data.TFRecordDataset(local).reduce(np.int64(0), lambda n, _: n + 1))
-    except (RuntimeError, tf.errors.OpError) as e:
+            return sum(1 for _ in pipelines.read_records(local))
+    except (RuntimeError, DataError) as e:
         raise DataError(f"{path}: cannot count the records of this file: {_reason(e)}") from e
 
 
 def _reason(error: Exception) -> str:
-    """The reader's message without TF's wrapping (`{{function_node ...}}`, `[Op:...]`)."""
-    message = getattr(error, "message", None) or str(error)
-    return message.rsplit("}}", 1)[-1].split("[Op:", 1)[0].strip()
+    """Why the reader failed; `pipelines.read_records` names the file it read
+    first, here the local copy of the one the caller names."""
+    if isinstance(error, DataError):
+        return str(error).split(": ", 1)[-1]
+    return str(error)
 
 
 def split_file(file_index: int, path: str, records_per_range: int) -> list[RecordRange]:
@@ -95,7 +96,7 @@ def read_range(record_range: RecordRange) -> list[bytes]:
     """The records of a range, in order.
 
     TFRecord files have no index: a range of one is read from the file's
-    start, skipping the earlier records unparsed.
+    start, skipping the earlier records.
 
     Raises:
       DataError: the file is corrupt or shorter than the range (named).
@@ -104,7 +105,7 @@ def read_range(record_range: RecordRange) -> list[bytes]:
     try:
         with local_copy(path) as local:
             records = _read_local(local, path.endswith(_ARRAY_RECORD_SUFFIX), start, stop)
-    except (RuntimeError, tf.errors.OpError) as e:
+    except (RuntimeError, DataError) as e:
         raise DataError(f"{path}: cannot read records [{start}, {stop}): {_reason(e)}") from e
     if len(records) != stop - start:
         raise DataError(
@@ -121,8 +122,7 @@ def _read_local(path: str, array_record: bool, start: int, stop: int) -> list[by
             return list(reader.read(start, stop))
         finally:
             reader.close()
-    dataset = tf.data.TFRecordDataset(path).skip(start).take(stop - start)
-    return [r for batch in dataset.batch(_TFRECORD_READ_BATCH) for r in batch.numpy()]
+    return list(itertools.islice(pipelines.read_records(path), start, stop))
 
 
 class SparseRows(NamedTuple):
