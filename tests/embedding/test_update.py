@@ -163,11 +163,14 @@ CASES = [
     ("sgd", "rowwise_adagrad", "sum", 8, 1),
 ]
 # Each of jax-tpu-embedding's other optimizers on a table of its own ("a") and
-# on a stack ("bc"), on one device and on eight.
+# on a stack ("bc"), on one device, two (two partitions each) and eight.
 JTE_CASES = [
     ("laprop", "adagrad_momentum_nesterov", "mean", 1, 1),
     ("adagrad_momentum", "f2a", "sum", 1, 1),
     ("f2a", "laprop", "sqrtn", 1, 1),
+    ("laprop", "adagrad_momentum", "sum", 2, 2),
+    ("adagrad_momentum", "f2a", "mean", 2, 2),
+    ("f2a", "laprop", "sqrtn", 2, 2),
     ("adagrad_momentum_nesterov", "laprop", "sum", 8, 1),
     ("laprop", "f2a", "mean", 8, 1),
     ("f2a", "adagrad_momentum", "sqrtn", 8, 1),
