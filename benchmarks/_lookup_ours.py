@@ -40,7 +40,7 @@ import time
 import jax
 import numpy as np
 from _line_protocol import reply_stream, serve
-from _lookup_shape import OPTIMIZERS, LookupShape
+from _lookup_shape import OPTIMIZERS, OURS_ONLY_OPTIMIZERS, LookupShape
 from _step_times import step_times
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -74,7 +74,15 @@ def optimizer_spec(name: str, shape: LookupShape) -> embedding.OptimizerSpec:
         return embedding.RowWiseAdagradOptimizerSpec(
             learning_rate=lr, initial_accumulator_value=initial, epsilon=shape.epsilon
         )
-    raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS}")
+    if name == "laprop":
+        return embedding.LaPropOptimizerSpec(learning_rate=lr)
+    if name == "adagrad_momentum":
+        return embedding.AdagradMomentumOptimizerSpec(
+            learning_rate=lr, initial_accumulator_value=initial
+        )
+    if name == "f2a":
+        return embedding.F2AOptimizerSpec(learning_rate=lr, initial_accumulator_value=initial)
+    raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS + OURS_ONLY_OPTIMIZERS}")
 
 
 def feature_specs(
