@@ -20,10 +20,10 @@ the forward routes and looks up one minibatch at a time and adds up the
 activations, and the update (`_update.py`) applies the minibatches one after
 the other. Each row lies in one minibatch, so both equal a single pass.
 
-Steps 1, 3 and 4 run on one of two paths (`_routing.LookupPath`): on CPU
-in `_cpu_kernels` (`_kernel_path`), elsewhere, or with
-`SPARSEFLOW_CPU_KERNELS=0`, in XLA ops (`_xla_path`, the reference of the
-tests). `prepare_call` picks it once per call.
+Steps 1, 3 and 4 run on one of two paths (`_routing.LookupPath`), which
+`prepare_call` picks once per call: the CPU kernels (`_kernel_path`) on CPU,
+XLA ops (`_xla_path`, the reference of the tests) elsewhere or with
+`SPARSEFLOW_CPU_KERNELS=0`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ on both paths and live here: those of all stacked tables travel in one
 all-to-all (`exchange_group`), since each collective is a rendezvous of
 every device, and on CPU, devices that share cores pay for each one.
 
-What differs is `LookupPath`: `_xla_path.XLA_PATH` in XLA ops (every
-platform, and the tests' reference), `_kernel_path.KERNEL_PATH` in the CPU
-kernels (`_cpu_kernels`). `select_path` picks one per call, in
+What differs is `LookupPath`: `_kernel_path.KERNEL_PATH` in the CPU
+kernels (`_cpu_kernels`) on CPU, `_xla_path.XLA_PATH` in XLA ops elsewhere,
+where the kernels do not load, or with `SPARSEFLOW_CPU_KERNELS=0` (the
+tests' reference). `select_path` picks one per call, in
 `_stack_geometry.prepare_call`; the lookup and the update take it as a
 static argument and never ask again.
 """
@@ -65,10 +66,10 @@ class LookupPath(Protocol[StackT, PlanT]):
 
     Each path has its own stack input `StackT` and plan `PlanT`; a plan goes
     back only to the path that made it. Implementations are stateless and
-    hashable (they are static arguments of `jax.jit`), so a program traced on
-    one path is never reused for the other. Both give bitwise the same
-    routing; the pooling and the update may differ in the last bits (the
-    kernels' floating-point contract, `_cpu_kernels`).
+    hashable (they are static arguments of `jax.jit`), and no two paths are
+    equal, so a program traced on one path never serves the other. Both
+    compute the same sums; the kernels' may differ from XLA's in the last
+    bits (their floating-point contract, `_cpu_kernels`).
     """
 
     def read_layout(
