@@ -19,7 +19,8 @@ from embedding._variables import EmbeddingVariables
 from embedding._xla_path import XLA_PATH
 
 if TYPE_CHECKING:
-    # Annotations only: `_stack_geometry` picks the path, so it imports this.
+    # Annotations only: `_routing` picks the path, so it imports this.
+    from embedding._routing import OwnerUpdate
     from embedding._stack_geometry import LayoutArrays, StackGeometry
 
 
@@ -100,20 +101,19 @@ class KernelPath:
             (g.slots, g.devices, g.uniques, g.dim),
         )
 
-    def apply_update(
-        self,
-        rows: jax.Array,
-        received: jax.Array,
-        variables: EmbeddingVariables,
-        learning_rate: jax.Array,
-        step: jax.Array,
-        g: StackGeometry,
-    ) -> EmbeddingVariables:
+    def apply_update(self, update: OwnerUpdate, g: StackGeometry) -> EmbeddingVariables:
         if not _cpu_kernels.updates_in_kernel(g.optimizer):
             # The other optimizers' rules exist in `_optimizer_updates` only.
-            return XLA_PATH.apply_update(rows, received, variables, learning_rate, step, g)
+            return XLA_PATH.apply_update(update, g)
+        variables = update.variables
         table, slots = _cpu_kernels.apply_update(
-            g.optimizer, rows, received, variables.table, variables.slots, learning_rate, g
+            g.optimizer,
+            update.rows,
+            update.grads,
+            variables.table,
+            variables.slots,
+            update.learning_rate,
+            g,
         )
         return EmbeddingVariables(table, slots)
 

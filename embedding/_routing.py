@@ -22,18 +22,18 @@ static argument and never ask again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from embedding import _cpu_kernels
 from embedding._kernel_path import KERNEL_PATH, KernelPath
+from embedding._variables import EmbeddingVariables
 from embedding._xla_path import XLA_PATH, XlaPath
 
 if TYPE_CHECKING:
     from embedding._stack_geometry import LayoutArrays, StackGeometry
-    from embedding._variables import EmbeddingVariables
 
 
 class StackInput(Protocol):
@@ -55,6 +55,25 @@ class MinibatchPlan(Protocol):
         the slot needs from device h (`[:, h]`); `S * R` (out of range)
         where unused."""
         ...
+
+
+class OwnerUpdate(NamedTuple):
+    """One stack's update on its owner device in one minibatch.
+
+    Attributes:
+      rows: `int32[S, G, U]` shard rows (`S * R` where unused), as received:
+        per slot and source device, ascending.
+      grads: `float32[S, G, U, D]` their gradients.
+      variables: this device's shard (donated).
+      learning_rate: scalar `float32`.
+      step: scalar `int32`.
+    """
+
+    rows: jax.Array
+    grads: jax.Array
+    variables: EmbeddingVariables
+    learning_rate: jax.Array
+    step: jax.Array
 
 
 StackT = TypeVar("StackT", bound=StackInput)
@@ -111,30 +130,10 @@ class LookupPath(Protocol[StackT, PlanT]):
         sum of gain times its samples' gradients (`float32[S, P, D]`)."""
         ...
 
-    def apply_update(
-        self,
-        rows: jax.Array,
-        received: jax.Array,
-        variables: EmbeddingVariables,
-        learning_rate: jax.Array,
-        step: jax.Array,
-        g: StackGeometry,
-    ) -> EmbeddingVariables:
+    def apply_update(self, update: OwnerUpdate, g: StackGeometry) -> EmbeddingVariables:
         """The owner's update: merges the gradients of each received row and
-        applies the stack's optimizer once per row, in place.
-
-        Args:
-          rows: `int32[S, G, U]` shard rows (`S * R` where unused), as
-            received: per slot and source device, ascending.
-          received: `float32[S, G, U, D]` their gradients.
-          variables: this device's shard (donated).
-          learning_rate: scalar `float32`.
-          step: scalar `int32`.
-          g: the stack's geometry.
-
-        Returns:
-          The updated shard; rows not in `rows` keep their bits.
-        """
+        applies the stack's optimizer (`g.optimizer`) once per row, in place.
+        Returns the updated shard; rows not in `update.rows` keep their bits."""
         ...
 
 

@@ -36,7 +36,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from embedding._preprocess import PreprocessedInput
-from embedding._routing import LookupPath, PlanT, StackT, exchange_group, over_minibatches
+from embedding._routing import (
+    LookupPath,
+    OwnerUpdate,
+    PlanT,
+    StackT,
+    exchange_group,
+    over_minibatches,
+)
 from embedding._stack_geometry import LayoutArrays, LayoutIndex, StackGeometry, prepare_call
 from embedding._stacking import Nested
 from embedding._variables import EmbeddingVariables, mesh_axis
@@ -101,7 +108,7 @@ def update_stacks(
             axis,
         )
         return tuple(
-            path.apply_update(owned, got, v, lr, step, g)
+            path.apply_update(OwnerUpdate(owned, got, v, lr, step), g)
             for owned, got, v, lr, g in zip(rows, received, current, learning_rates, geometries)
         )
 

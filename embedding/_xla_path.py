@@ -23,7 +23,8 @@ from embedding._optimizer_updates import apply_optimizer
 from embedding._variables import EmbeddingVariables
 
 if TYPE_CHECKING:
-    # Annotations only: `_stack_geometry` picks the path, so it imports this.
+    # Annotations only: `_routing` picks the path, so it imports this.
+    from embedding._routing import OwnerUpdate
     from embedding._stack_geometry import LayoutArrays, StackGeometry
 
 
@@ -224,19 +225,12 @@ class XlaPath:
         unique_grads = jnp.zeros((g.slots, g.devices, g.uniques, g.dim), jnp.float32)
         return unique_grads.at[slot, plan.dest, plan.unique].add(entry_grads, mode="drop")
 
-    def apply_update(
-        self,
-        rows: jax.Array,
-        received: jax.Array,
-        variables: EmbeddingVariables,
-        learning_rate: jax.Array,
-        step: jax.Array,
-        g: StackGeometry,
-    ) -> EmbeddingVariables:
+    def apply_update(self, update: OwnerUpdate, g: StackGeometry) -> EmbeddingVariables:
         # A scatter-min of positions names one representative per row; only
         # the representatives' rows and slots are gathered, updated and
         # scattered back, into the buffers the gathers read (in place).
-        rows, received = rows.reshape(-1), received.reshape(-1, g.dim)
+        variables = update.variables
+        rows, received = update.rows.reshape(-1), update.grads.reshape(-1, g.dim)
         first, merged = merge_duplicate_rows(rows, received, g.shard_rows)
         target = jnp.where(first, rows, g.shard_rows)
         old_rows = variables.table.at[target].get(mode="fill", fill_value=0)
@@ -248,8 +242,8 @@ class XlaPath:
             old_rows,
             old_slots,
             merged,
-            learning_rate=learning_rate,
-            step=step,
+            learning_rate=update.learning_rate,
+            step=update.step,
             row_dims=g.row_dims(target),
         )
         return EmbeddingVariables(
