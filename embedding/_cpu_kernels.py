@@ -21,9 +21,10 @@ XLA does not join them into one buffer first; those that make one to send
 (the route, the gather, the pooling's transpose) give it in pieces, so that
 XLA does not cut it up first.
 
-The pure-JAX path (`_lookup.py`, `_update.py`) stays the reference and the
-path of every other platform; set `SPARSEFLOW_CPU_KERNELS=0` to use it on CPU
-too.
+The pure-JAX path (`_xla_path.py`) stays the reference and the path of
+every other platform; set `SPARSEFLOW_CPU_KERNELS=0` to use it on CPU too.
+`_kernel_path.py` puts these kernels behind the lookup's path interface
+(`_routing.LookupPath`).
 
 The library is compiled with the machine's C++ compiler (g++, or `$CXX`) on
 first use (`make` builds it ahead) into `embedding/` when writable, else the
@@ -269,7 +270,7 @@ def _result(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStr
 
 
 def segments(row_pointers: jax.Array, ids: jax.Array, g) -> jax.Array:
-    """`int32[S, C]` as `_lookup.find_segments` gives it."""
+    """`int32[S, C]` as `_xla_path.find_segments` gives it."""
     return jax.ffi.ffi_call("sparseflow_segments", _result((g.slots, g.capacity), jnp.int32, ids))(
         row_pointers,
         ids,
@@ -283,7 +284,7 @@ def segments(row_pointers: jax.Array, ids: jax.Array, g) -> jax.Array:
 def route(row_pointers: jax.Array, ids: jax.Array, minibatch, g) -> tuple[jax.Array, jax.Array]:
     """`(send_rows int32[S, G, U], entry_index int32[S, C])` of one minibatch.
 
-    `send_rows` as `_lookup.Routing` has it; `entry_index` is each entry's
+    `send_rows` as `_xla_path.Routing` has it; `entry_index` is each entry's
     flat index into `[S, G, U]`, -1 for entries outside the minibatch.
     """
     piece = _result((g.slots, 1, g.uniques), jnp.int32, ids)

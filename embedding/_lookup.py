@@ -20,8 +20,10 @@ the forward routes and looks up one minibatch at a time and adds up the
 activations, and the update (`_update.py`) applies the minibatches one after
 the other. Each row lies in one minibatch, so both equal a single pass.
 
-On CPU the routing, the gather and the pooling run in `_cpu_kernels` (set
-`SPARSEFLOW_CPU_KERNELS=0` for the XLA path, the reference of the tests).
+Steps 1, 3 and 4 run on one of two paths (`_routing.LookupPath`), which
+`prepare_call` picks once per call: the CPU kernels (`_kernel_path`) on CPU,
+XLA ops (`_xla_path`, the reference of the tests) elsewhere or with
+`SPARSEFLOW_CPU_KERNELS=0`.
 """
 
 from __future__ import annotations
@@ -34,14 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from embedding._preprocess import PreprocessedInput
-from embedding._routing import (
-    exchange_group,
-    gather_owned,
-    over_minibatches,
-    plan_minibatch,
-    pool,
-    read_layout,
-)
+from embedding._routing import LookupPath, PlanT, StackT, exchange_group, over_minibatches
 from embedding._stack_geometry import (
     LayoutArrays,
     LayoutIndex,
@@ -58,7 +53,7 @@ def lookup_stacks(
     *,
     geometries: tuple[StackGeometry, ...],
     axis: str,
-    kernels: bool,
+    path: LookupPath[StackT, PlanT],
 ) -> tuple[tuple[tuple[jax.Array, ...], ...], jax.Array]:
     """One device's part of the lookup of every stack (inside `shard_map`).
 
@@ -67,25 +62,22 @@ def lookup_stacks(
       tables: per stack, `float32[S * R, D]`, this device's shard.
       geometries: the stacks' geometries.
       axis: the mesh axis.
-      kernels: use the CPU kernels (`_cpu_kernels`).
+      path: the XLA path or the CPU kernels (`_routing.select_path`).
 
     Returns:
       `(activations, segments)`: per stack, per feature,
       `float32[S * samples_per_slot, dim]`; and the stacks' segments side by
       side, `int32[S, sum of C]` (`LayoutIndex`).
     """
-    stacks = [read_layout(layout, g, kernels) for layout, g in zip(layouts, geometries)]
+    stacks = [path.read_layout(layout, g) for layout, g in zip(layouts, geometries)]
 
     def add_minibatch(k, totals):
-        plans = [plan_minibatch(stack, g, k) for stack, g in zip(stacks, geometries)]
+        plans = [path.plan_minibatch(stack, g, k) for stack, g in zip(stacks, geometries)]
         owned = exchange_group([p.send_rows for p in plans], axis)
-        gathered = [
-            gather_owned(table, rows, g, kernels)
-            for table, rows, g in zip(tables, owned, geometries)
-        ]
+        gathered = [path.gather_owned(table, rows) for table, rows in zip(tables, owned)]
         received = exchange_group(gathered, axis)
         return tuple(
-            total + pool(stack, p, rows, g)
+            total + path.pool(stack, p, rows, g)
             for total, stack, p, rows, g in zip(totals, stacks, plans, received, geometries)
         )
 
@@ -106,14 +98,14 @@ def lookup_stacks(
     return activations, jnp.concatenate([stack.segment for stack in stacks], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("geometries", "mesh", "kernels"))
+@functools.partial(jax.jit, static_argnames=("geometries", "mesh", "path"))
 def _forward(
-    layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mesh, kernels: bool
+    layout, tables, *, geometries: tuple[StackGeometry, ...], mesh: Mesh, path: LookupPath
 ) -> tuple[list, LayoutIndex]:
     axis = mesh_axis(mesh)
     spec = PartitionSpec(axis)
     lookup = jax.shard_map(
-        functools.partial(lookup_stacks, geometries=geometries, axis=axis, kernels=kernels),
+        functools.partial(lookup_stacks, geometries=geometries, axis=axis, path=path),
         mesh=mesh,
         in_specs=(spec, spec),
         out_specs=spec,
@@ -174,7 +166,7 @@ def sparse_dense_matmul(
     )
     tables = {name: v.table for name, v in embedding_variables.items()}
     activations, index = _forward(
-        call.layout, tables, geometries=call.geometries, mesh=mesh, kernels=call.kernels
+        call.layout, tables, geometries=call.geometries, mesh=mesh, path=call.path
     )
     activations = jax.tree.unflatten(call.treedef, activations)
     return (activations, index) if return_layout_index else activations

@@ -1,167 +1,158 @@
-"""Reading one device's layout and routing its rows (inside `shard_map`).
+"""The lookup's two paths behind one interface, and the phases they share.
 
 Per slot and minibatch, the layout's entries (docs/design.md section 2) are
 sorted by partition and local id, so the distinct rows each owner device
-must send come out of one pass: `route` (XLA) or `_cpu_kernels.route`. Both
-paths share the phases of a minibatch, for the lookup and for the update:
-plan (route), exchange the requested rows, gather the owned rows, exchange
-them back, pool per sample (or, backwards, sum per distinct row). The
-exchanges of all stacked tables travel in one all-to-all (`exchange_group`):
-each collective is a rendezvous of every device, and on CPU, devices that
-share cores pay for each one.
+must send come out of one pass. Both paths run the same phases of a
+minibatch, for the lookup and for the update: plan (route), exchange the
+requested rows, gather the owned rows, exchange them back, pool per sample
+(or, backwards, sum per distinct row), and, for the update, merge each
+owned row's gradients and apply the optimizer. The exchanges are the same
+on both paths and live here: those of all stacked tables travel in one
+all-to-all (`exchange_group`), since each collective is a rendezvous of
+every device, and on CPU, devices that share cores pay for each one.
+
+What differs is `LookupPath`: `_kernel_path.KERNEL_PATH` in the CPU
+kernels (`_cpu_kernels`) on CPU, `_xla_path.XLA_PATH` in XLA ops elsewhere,
+where the kernels do not load, or with `SPARSEFLOW_CPU_KERNELS=0` (the
+tests' reference). `select_path` picks one per call, in
+`_stack_geometry.prepare_call`; the lookup and the update take it as a
+static argument and never ask again.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from embedding import _cpu_kernels
-from embedding._layout import ALIGNMENT
-from embedding._stack_geometry import LayoutArrays, StackGeometry
+from embedding._kernel_path import KERNEL_PATH, KernelPath
+from embedding._variables import EmbeddingVariables
+from embedding._xla_path import XLA_PATH, XlaPath
+
+if TYPE_CHECKING:
+    from embedding._stack_geometry import LayoutArrays, StackGeometry
 
 
-class Entries(NamedTuple):
-    """One device's layout entries, decoded once for all minibatches.
+class StackInput(Protocol):
+    """One stack's layout on one device, as a path reads it once for all
+    minibatches."""
+
+    @property
+    def segment(self) -> jax.Array:
+        """`int32[S, C]` each entry's `minibatch * N + partition`, -1 for padding."""
+        ...
+
+
+class MinibatchPlan(Protocol):
+    """One stack's routing of one minibatch on one device, as a path plans it."""
+
+    @property
+    def send_rows(self) -> jax.Array:
+        """`int32[S, G, U]` row in the owner's shard of every distinct row
+        the slot needs from device h (`[:, h]`); `S * R` (out of range)
+        where unused."""
+        ...
+
+
+class OwnerUpdate(NamedTuple):
+    """One stack's update on its owner device in one minibatch.
 
     Attributes:
-      segment: `int32[S, C]` the entry's `minibatch * N + partition`; -1 for
-        padding.
-      valid: `bool[S, C]` false for padding.
-      ids: `int32[S, C]` local ids within the partition.
-      samples: `int32[S, C]` samples in the slot; `P` for padding.
-      gains: `float32[S, C]`; 0 for padding.
+      rows: `int32[S, G, U]` shard rows (`S * R` where unused), as received:
+        per slot and source device, ascending.
+      grads: `float32[S, G, U, D]` their gradients.
+      variables: this device's shard (donated).
+      learning_rate: scalar `float32`.
+      step: scalar `int32`.
     """
 
-    segment: jax.Array
-    valid: jax.Array
-    ids: jax.Array
-    samples: jax.Array
-    gains: jax.Array
+    rows: jax.Array
+    grads: jax.Array
+    variables: EmbeddingVariables
+    learning_rate: jax.Array
+    step: jax.Array
 
 
-class Routing(NamedTuple):
-    """Where one minibatch's entries of one device go (inside `shard_map`).
+StackT = TypeVar("StackT", bound=StackInput)
+PlanT = TypeVar("PlanT", bound=MinibatchPlan)
 
-    Attributes:
-      dest: `int32[S, C]` device owning each entry's row.
-      unique: `int32[S, C]` index of the entry's row among the distinct rows
-        the slot needs from `dest`; `U` for entries outside the minibatch.
-      send_rows: `int32[S, G, U]` row in the owner's shard of every distinct
-        row; `S * R` (out of range) where unused.
+
+class LookupPath(Protocol[StackT, PlanT]):
+    """What the XLA path and the CPU kernels do differently (inside `shard_map`).
+
+    Each path has its own stack input `StackT` and plan `PlanT`; a plan goes
+    back only to the path that made it. Implementations are stateless and
+    hashable (they are static arguments of `jax.jit`), and no two paths are
+    equal, so a program traced on one path never serves the other. Both
+    compute the same sums; the kernels' may differ from XLA's in the last
+    bits (their floating-point contract, `_cpu_kernels`).
     """
 
-    dest: jax.Array
-    unique: jax.Array
-    send_rows: jax.Array
+    def read_layout(
+        self, layout: LayoutArrays, g: StackGeometry, segment: jax.Array | None = None
+    ) -> StackT:
+        """Reads one device's layout of one stack.
+
+        Args:
+          layout: this device's arrays: row pointers `int32[S * K * W]`, ids,
+            samples and gains `[S * C]`.
+          g: the stack's geometry.
+          segment: `int32[S, C]` the entries' segments if already known (from
+            the forward's `LayoutIndex`), else None to find them.
+        """
+        ...
+
+    def plan_minibatch(self, stack: StackT, g: StackGeometry, minibatch: int | jax.Array) -> PlanT:
+        """Routes the entries of minibatch `minibatch` (an int, or a traced
+        `int32` scalar in the minibatch loop): which distinct rows each slot
+        needs from each owner, and each entry's place among them."""
+        ...
+
+    def gather_owned(self, table: jax.Array, owned: jax.Array) -> jax.Array:
+        """`float32[S, G, U, D]`: the owner's rows `owned` (`int32[S, G, U]`,
+        as received) of its shard `table` (`float32[S * R, D]`), zero where
+        unused. Differentiable with respect to `table`."""
+        ...
+
+    def pool(self, stack: StackT, plan: PlanT, rows: jax.Array, g: StackGeometry) -> jax.Array:
+        """`float32[S, P, D]`: the minibatch's rows (`float32[S, G, U, D]`, as
+        received from their owners), scaled by gain and summed per sample.
+        Differentiable with respect to `rows` (by `row_gradients`)."""
+        ...
+
+    def row_gradients(
+        self, stack: StackT, plan: PlanT, sample_grads: jax.Array, g: StackGeometry
+    ) -> jax.Array:
+        """`float32[S, G, U, D]`: the transpose of `pool`, per distinct row the
+        sum of gain times its samples' gradients (`float32[S, P, D]`)."""
+        ...
+
+    def apply_update(self, update: OwnerUpdate, g: StackGeometry) -> EmbeddingVariables:
+        """The owner's update: merges the gradients of each received row and
+        applies the stack's optimizer (`g.optimizer`) once per row, in place.
+        Returns the updated shard; rows not in `update.rows` keep their bits."""
+        ...
 
 
-def _round_up_to_alignment(x: jax.Array) -> jax.Array:
-    return (x + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+def select_path(platform: str) -> XlaPath | KernelPath:
+    """The lookup's path on `platform`: the CPU kernels where they run
+    (on CPU, unless `SPARSEFLOW_CPU_KERNELS=0`, when they build and load:
+    `_cpu_kernels.enabled`), else the XLA path."""
+    return KERNEL_PATH if _cpu_kernels.enabled(platform) else XLA_PATH
 
 
-_PREFIX_BLOCK = 64
+Carry = TypeVar("Carry")
 
 
-def running_count(x: jax.Array) -> jax.Array:
-    """Inclusive cumulative sum along the last axis of small counts `int[S, C]`.
-
-    XLA:CPU runs `jnp.cumsum` as a log-depth scan of many small ops; two
-    triangular matmuls (within blocks of 64, then over the block totals) are
-    several times faster. Float32 at full precision is exact below 2**24.
-    """
-    s, c = x.shape
-    blocks = -(-c // _PREFIX_BLOCK)
-    padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, blocks * _PREFIX_BLOCK - c)))
-    padded = padded.reshape(s, blocks, _PREFIX_BLOCK)
-    highest = jax.lax.Precision.HIGHEST
-    within = jnp.matmul(
-        padded, jnp.triu(jnp.ones((_PREFIX_BLOCK, _PREFIX_BLOCK), jnp.float32)), precision=highest
-    )
-    before = jnp.matmul(
-        within[:, :, -1], jnp.triu(jnp.ones((blocks, blocks), jnp.float32), 1), precision=highest
-    )
-    total = within + before[:, :, None]
-    return total.reshape(s, -1)[:, :c].astype(jnp.int32)
-
-
-def _slot_index(g: StackGeometry) -> jax.Array:
-    """`int32[S, 1]`, to index `[S, ...]` buffers entry by entry."""
-    return jnp.arange(g.slots, dtype=jnp.int32)[:, None]
-
-
-def find_segments(layout: LayoutArrays, g: StackGeometry) -> jax.Array:
-    """`int32[S, C]`: each entry's `minibatch * N + partition` in one device's
-    layout, -1 for padding.
-
-    Args:
-      layout: this device's arrays: row pointers `int32[S * K * W]`, ids,
-        samples and gains `[S * C]`.
-      g: the stack's geometry.
-    """
-    s, n, c = g.slots, g.partitions, g.capacity
-    pointers = layout.row_pointers.reshape(s, g.minibatches, g.row_pointer_width)
-    ends = pointers[:, :, :n].reshape(s, g.minibatches * n)
-    slot = _slot_index(g)
-    # A segment starts where the one before it ends, rounded up to 8; counting
-    # the starts at or before each position gives the position's segment.
-    starts = _round_up_to_alignment(ends[:, :-1])
-    marks = jnp.zeros((s, c + 1), jnp.int32).at[slot, starts].add(1)
-    segment = running_count(marks)[:, :c]
-    valid = jnp.arange(c) < jnp.take_along_axis(ends, segment, axis=1)
-    return jnp.where(valid, segment, -1)
-
-
-def decode(layout: LayoutArrays, g: StackGeometry, segment: jax.Array | None = None) -> Entries:
-    """Every entry of one device's layout with its segment.
-
-    Args:
-      layout: this device's arrays (see `find_segments`).
-      g: the stack's geometry.
-      segment: `find_segments(layout, g)` if already known.
-    """
-    s, c = g.slots, g.capacity
-    segment = find_segments(layout, g) if segment is None else segment
-    valid = segment >= 0
-    return Entries(
-        segment=segment,
-        valid=valid,
-        ids=layout.embedding_ids.reshape(s, c),
-        samples=jnp.where(valid, layout.sample_ids.reshape(s, c), g.samples),
-        gains=jnp.where(valid, layout.gains.reshape(s, c), 0.0),
-    )
-
-
-def route(entries: Entries, g: StackGeometry, minibatch: Any) -> Routing:
-    """Finds each entry's owner and distinct-row index within `minibatch`.
-
-    Entries of one row are adjacent in a segment and segments of one owner
-    follow each other, so a cumulative sum numbers the distinct rows.
-    """
-    s = g.slots
-    slot = _slot_index(g)
-    partition = entries.segment % g.partitions
-    valid = entries.valid
-    if g.minibatches > 1:
-        valid = valid & (entries.segment // g.partitions == minibatch)
-    row = jnp.where(valid, partition * g.rows + entries.ids, -1)
-    previous = jnp.pad(row[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-    first = valid & (row != previous)
-    dest = partition // s
-    rank = running_count(first) - 1
-    per_dest = jnp.zeros((s, g.devices), jnp.int32).at[slot, dest].add(first.astype(jnp.int32))
-    before = jnp.cumsum(per_dest, axis=1) - per_dest
-    unique = jnp.where(valid, rank - jnp.take_along_axis(before, dest, axis=1), g.uniques)
-    send_rows = jnp.full((s, g.devices, g.uniques), g.shard_rows, jnp.int32)
-    send_rows = send_rows.at[slot, dest, jnp.where(first, unique, g.uniques)].set(
-        row - dest * g.shard_rows, mode="drop"
-    )
-    return Routing(dest=dest, unique=unique, send_rows=send_rows)
-
-
-def over_minibatches(g: StackGeometry, num_minibatches: jax.Array, body, init):
+def over_minibatches(
+    g: StackGeometry,
+    num_minibatches: jax.Array,
+    body: Callable[[int | jax.Array, Carry], Carry],
+    init: Carry,
+) -> Carry:
     """`body(k, carry)` for k in 0..num_minibatches-1; a single call without
     minibatching (which keeps the lookup differentiable in reverse mode)."""
     if g.minibatches == 1:
@@ -188,97 +179,3 @@ def exchange_group(arrays: list[jax.Array], axis: str) -> list[jax.Array]:
         exchanged[:, :, start : start + size].reshape(x.shape)
         for x, start, size in zip(arrays, starts, sizes)
     ]
-
-
-class MinibatchPlan(NamedTuple):
-    """One stack's routing of one minibatch, on either path.
-
-    Attributes:
-      send_rows: `int32[S, G, U]` (see `Routing`).
-      routing: the XLA path's `Routing`, or the kernels' `int32[S, C]`
-        entry index into `[S, G, U]`.
-    """
-
-    send_rows: jax.Array
-    routing: Any
-
-
-class StackInput(NamedTuple):
-    """One stack's layout on one device, read once for all minibatches.
-
-    Attributes:
-      layout: this device's layout arrays.
-      entries: the decoded entries (XLA path), or None (kernels).
-      segment: `int32[S, C]` the entries' segments.
-    """
-
-    layout: LayoutArrays
-    entries: Entries | None
-    segment: jax.Array
-
-
-def read_layout(
-    layout: LayoutArrays, g: StackGeometry, kernels: bool, segment: jax.Array | None = None
-) -> StackInput:
-    """Reads one device's layout: its segments (unless given) and, on the XLA
-    path, its decoded entries."""
-    if kernels:
-        if segment is None:
-            segment = _cpu_kernels.segments(layout.row_pointers, layout.embedding_ids, g)
-        return StackInput(layout, None, segment)
-    segment = find_segments(layout, g) if segment is None else segment
-    return StackInput(layout, decode(layout, g, segment), segment)
-
-
-def plan_minibatch(stack: StackInput, g: StackGeometry, minibatch: Any) -> MinibatchPlan:
-    """Routes the minibatch's entries of one stack."""
-    if stack.entries is None:
-        layout = stack.layout
-        return MinibatchPlan(
-            *_cpu_kernels.route(layout.row_pointers, layout.embedding_ids, minibatch, g)
-        )
-    routing = route(stack.entries, g, minibatch)
-    return MinibatchPlan(routing.send_rows, routing)
-
-
-def gather_owned(table: jax.Array, owned: jax.Array, g: StackGeometry, kernels: bool) -> jax.Array:
-    """`float32[S, G, U, D]`: the owner's rows `owned` (`int32[S, G, U]`),
-    zero where unused."""
-    if kernels:
-        return _cpu_kernels.gather_rows(table, owned)
-    return table.at[owned].get(mode="fill", fill_value=0)
-
-
-def pool(stack: StackInput, plan: MinibatchPlan, rows: jax.Array, g: StackGeometry) -> jax.Array:
-    """`float32[S, P, D]`: the minibatch's rows (`float32[S, G, U, D]`, as
-    received from their owners), scaled by gain and summed per sample."""
-    if stack.entries is None:
-        layout = stack.layout
-        return _cpu_kernels.pool(plan.routing, layout.sample_ids, layout.gains, rows, g.samples)
-    entries, routing = stack.entries, plan.routing
-    slot = _slot_index(g)
-    per_entry = rows.at[slot, routing.dest, routing.unique].get(mode="fill", fill_value=0)
-    combined = jnp.zeros((g.slots, g.samples, g.dim), rows.dtype)
-    return combined.at[slot, entries.samples].add(per_entry * entries.gains[..., None], mode="drop")
-
-
-def row_gradients(
-    stack: StackInput, plan: MinibatchPlan, sample_grads: jax.Array, g: StackGeometry
-) -> jax.Array:
-    """`float32[S, G, U, D]`: the transpose of `pool`, per distinct row the
-    sum of gain times its samples' gradients (`float32[S, P, D]`)."""
-    if stack.entries is None:
-        layout = stack.layout
-        return _cpu_kernels.pool_transpose(
-            plan.routing,
-            layout.sample_ids,
-            layout.gains,
-            sample_grads,
-            (g.slots, g.devices, g.uniques, g.dim),
-        )
-    entries, routing = stack.entries, plan.routing
-    slot = _slot_index(g)
-    entry_grads = sample_grads.at[slot, entries.samples].get(mode="fill", fill_value=0)
-    entry_grads = entry_grads * entries.gains[..., None]
-    unique_grads = jnp.zeros((g.slots, g.devices, g.uniques, g.dim), jnp.float32)
-    return unique_grads.at[slot, routing.dest, routing.unique].add(entry_grads, mode="drop")

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from embedding import _cpu_kernels
 from embedding._layout import ALIGNMENT
 from embedding._minibatch import NUM_BUCKETS
 from embedding._optimizer_updates import check_optimizer
 from embedding._optimizers import OptimizerSpec
 from embedding._preprocess import PreprocessedInput, _plan
+from embedding._routing import LookupPath, select_path
 from embedding._stacking import Nested, prepare_feature_specs_for_training
 from embedding._variables import EmbeddingVariables, mesh_axis, row_sharding
 
@@ -254,10 +254,21 @@ def global_layout(preprocessed_input: PreprocessedInput, mesh: Mesh) -> dict[str
 
 
 class PreparedCall(NamedTuple):
+    """The checked arguments of a lookup or update and what it runs on.
+
+    Attributes:
+      layout: every stack's layout arrays over the mesh, by stack name.
+      geometries: the stacks' geometries, in the order the specs first name
+        the stacks.
+      treedef: the structure of the feature specs.
+      path: the XLA path or the CPU kernels, for the mesh's platform
+        (`_routing.select_path`).
+    """
+
     layout: dict[str, LayoutArrays]
     geometries: tuple[StackGeometry, ...]
     treedef: Any
-    kernels: bool
+    path: LookupPath
 
 
 def prepare_call(
@@ -295,8 +306,8 @@ def prepare_call(
     for g in geometries:
         _check_layout(layout[g.name], g)
         _check_variables(embedding_variables[g.name], g)
-    kernels = _cpu_kernels.enabled(mesh.devices.flat[0].platform)
-    return PreparedCall(layout, geometries, treedef, kernels)
+    path = select_path(mesh.devices.flat[0].platform)
+    return PreparedCall(layout, geometries, treedef, path)
 
 
 def _check_layout(layout: LayoutArrays, g: StackGeometry) -> None:

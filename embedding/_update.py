@@ -1,18 +1,20 @@
 """The sharded backward pass and optimizer update, `apply_gradients`.
 
 Inside `jax.shard_map`, every device, for all stacked tables at once:
-1. routes its layout as the forward does (`_routing`);
+1. routes its layout as the forward does, on the forward's path
+   (`_routing.LookupPath`);
 2. sums the activation gradients per distinct row of each slot (gain times
    the gradient of each of the row's samples);
 3. sends each owner its rows and their gradients (the forward's path in
    reverse, one grouped all-to-all for the rows and one for the gradients);
 4. as owner, merges the gradients one row got from several slots and
-   devices and applies the optimizer once per row. On CPU a kernel merges
-   the sorted runs it received and updates SGD, Adagrad and row-wise Adagrad
-   rows in place (`_cpu_kernels`); otherwise a scatter-min of positions into
-   an `int32` buffer of the shard's rows names one representative per row,
-   the gradients are summed into it, and the representatives' rows and
-   slots are gathered, updated (`_optimizer_updates`) and scattered back.
+   devices and applies the optimizer once per row (`LookupPath.apply_update`).
+   On CPU a kernel merges the sorted runs it received and updates SGD,
+   Adagrad and row-wise Adagrad rows in place (`_kernel_path`); otherwise a
+   scatter-min of positions into an `int32` buffer of the shard's rows names
+   one representative per row, the gradients are summed into it, and the
+   representatives' rows and slots are gathered, updated
+   (`_optimizer_updates`) and scattered back (`_xla_path`).
    Only rows with an entry in the batch are written; every other row and
    slot keeps its bits.
 
@@ -33,42 +35,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from embedding import _cpu_kernels
-from embedding._optimizer_updates import apply_optimizer
 from embedding._preprocess import PreprocessedInput
 from embedding._routing import (
+    LookupPath,
+    OwnerUpdate,
+    PlanT,
+    StackT,
     exchange_group,
     over_minibatches,
-    plan_minibatch,
-    read_layout,
-    row_gradients,
 )
 from embedding._stack_geometry import LayoutArrays, LayoutIndex, StackGeometry, prepare_call
 from embedding._stacking import Nested
 from embedding._variables import EmbeddingVariables, mesh_axis
-
-
-def merge_duplicate_rows(
-    rows: jax.Array, grads: jax.Array, num_rows: int
-) -> tuple[jax.Array, jax.Array]:
-    """Sums the gradients of equal rows into the row's first occurrence.
-
-    Args:
-      rows: `int32[M]` shard rows; `num_rows` marks an unused position.
-      grads: `float32[M, D]`.
-      num_rows: rows of the shard.
-
-    Returns:
-      `(first: bool[M], merged: float32[M, D])`: `first` marks the first
-      occurrence of every used row, `merged` holds the row's summed gradient
-      there.
-    """
-    positions = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    first_position = jnp.full((num_rows,), rows.shape[0], jnp.int32)
-    first_position = first_position.at[rows].min(positions, mode="drop")
-    representative = first_position.at[rows].get(mode="fill", fill_value=rows.shape[0])
-    merged = jnp.zeros_like(grads).at[representative].add(grads, mode="drop")
-    return representative == positions, merged
 
 
 def _sample_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Array:
@@ -83,51 +61,6 @@ def _sample_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Arr
     return jnp.concatenate(blocks, axis=1)
 
 
-def _owner_update(
-    rows: jax.Array,
-    received: jax.Array,
-    variables: EmbeddingVariables,
-    learning_rate: jax.Array,
-    step: jax.Array,
-    g: StackGeometry,
-    kernels: bool,
-) -> EmbeddingVariables:
-    """Merges the gradients of each received row and applies the optimizer.
-
-    Args:
-      rows: `int32[S, G, U]` shard rows (`S * R` where unused), as received.
-      received: `float32[S, G, U, D]` their gradients.
-    """
-    if kernels and _cpu_kernels.updates_in_kernel(g.optimizer):
-        return EmbeddingVariables(
-            *_cpu_kernels.apply_update(
-                g.optimizer, rows, received, variables.table, variables.slots, learning_rate, g
-            )
-        )
-    rows, received = rows.reshape(-1), received.reshape(-1, g.dim)
-    first, merged = merge_duplicate_rows(rows, received, g.shard_rows)
-    target = jnp.where(first, rows, g.shard_rows)
-    old_rows = variables.table.at[target].get(mode="fill", fill_value=0)
-    old_slots = jax.tree.map(
-        lambda values: values.at[target].get(mode="fill", fill_value=0), variables.slots
-    )
-    new_rows, new_slots = apply_optimizer(
-        g.optimizer,
-        old_rows,
-        old_slots,
-        merged,
-        learning_rate=learning_rate,
-        step=step,
-        row_dims=g.row_dims(target),
-    )
-    return EmbeddingVariables(
-        variables.table.at[target].set(new_rows, mode="drop"),
-        jax.tree.map(
-            lambda values, new: values.at[target].set(new, mode="drop"), variables.slots, new_slots
-        ),
-    )
-
-
 def update_stacks(
     layouts: tuple[LayoutArrays, ...],
     grads: tuple[tuple[jax.Array, ...], ...],
@@ -138,7 +71,7 @@ def update_stacks(
     *,
     geometries: tuple[StackGeometry, ...],
     axis: str,
-    kernels: bool,
+    path: LookupPath[StackT, PlanT],
 ) -> tuple[EmbeddingVariables, ...]:
     """One device's part of the update of every stack (inside `shard_map`).
 
@@ -152,7 +85,7 @@ def update_stacks(
         (`LayoutIndex`), or None to find them here.
       geometries: the stacks' geometries.
       axis: the mesh axis.
-      kernels: use the CPU kernels (`_cpu_kernels`).
+      path: the XLA path or the CPU kernels (`_routing.select_path`).
 
     Returns:
       The updated shards, per stack.
@@ -161,21 +94,21 @@ def update_stacks(
     for layout, g in zip(layouts, geometries):
         segment = None if segments is None else segments[:, start : start + g.capacity]
         start += g.capacity
-        stacks.append(read_layout(layout, g, kernels, segment))
+        stacks.append(path.read_layout(layout, g, segment))
     sample_grads = [_sample_gradients(stack_grads, g) for stack_grads, g in zip(grads, geometries)]
 
     def update_minibatch(k, current):
-        plans = [plan_minibatch(stack, g, k) for stack, g in zip(stacks, geometries)]
+        plans = [path.plan_minibatch(stack, g, k) for stack, g in zip(stacks, geometries)]
         rows = exchange_group([p.send_rows for p in plans], axis)
         received = exchange_group(
             [
-                row_gradients(stack, p, sample, g)
+                path.row_gradients(stack, p, sample, g)
                 for stack, p, sample, g in zip(stacks, plans, sample_grads, geometries)
             ],
             axis,
         )
         return tuple(
-            _owner_update(owned, got, v, lr, step, g, kernels)
+            path.apply_update(OwnerUpdate(owned, got, v, lr, step), g)
             for owned, got, v, lr, g in zip(rows, received, current, learning_rates, geometries)
         )
 
@@ -185,7 +118,7 @@ def update_stacks(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("geometries", "mesh", "kernels"), donate_argnames=("variables",)
+    jax.jit, static_argnames=("geometries", "mesh", "path"), donate_argnames=("variables",)
 )
 def _apply(
     grads,
@@ -196,7 +129,7 @@ def _apply(
     *,
     geometries: tuple[StackGeometry, ...],
     mesh: Mesh,
-    kernels: bool,
+    path: LookupPath,
 ):
     axis = mesh_axis(mesh)
     spec, replicated = PartitionSpec(axis), PartitionSpec()
@@ -205,7 +138,7 @@ def _apply(
         jnp.asarray(g.optimizer.get_learning_rate(step), jnp.float32) for g in geometries
     )
     update = jax.shard_map(
-        functools.partial(update_stacks, geometries=geometries, axis=axis, kernels=kernels),
+        functools.partial(update_stacks, geometries=geometries, axis=axis, path=path),
         mesh=mesh,
         in_specs=(spec, spec, spec, replicated, replicated, spec),
         out_specs=spec,
@@ -312,5 +245,5 @@ def apply_gradients(
         _checked_index(layout_index, call),
         geometries=call.geometries,
         mesh=mesh,
-        kernels=call.kernels,
+        path=call.path,
     )

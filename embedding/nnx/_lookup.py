@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh
 
 import embedding
-from embedding import _cpu_kernels
+from embedding._routing import LookupPath, select_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,6 @@ def _lookup_fwd(config, variables, step, preprocessed_input):
 
 def _lookup_bwd(config, residuals, activation_grads):
     variables, step, preprocessed_input, index = residuals
-    kernels = _cpu_kernels.enabled(config.mesh.devices.flat[0].platform)
     updated = _sparse_update(
         activation_grads,
         preprocessed_input,
@@ -102,7 +101,7 @@ def _lookup_bwd(config, residuals, activation_grads):
         step,
         index,
         config=config,
-        kernels=kernels,
+        path=select_path(config.mesh.devices.flat[0].platform),
     )
     return updated, None, None
 
@@ -110,13 +109,13 @@ def _lookup_bwd(config, residuals, activation_grads):
 # apply_gradients donates the variables. Run eagerly (a backward pass outside
 # jit), that would free the residuals, which are the model's current tables;
 # traced inside a jit of its own, which donates nothing, it frees nothing.
-# `kernels` only keys the trace cache: apply_gradients picks the CPU kernels or
+# `path` only keys the trace cache: apply_gradients picks the CPU kernels or
 # the XLA path when traced, so a trace of one path must not serve the other.
-@functools.partial(jax.jit, static_argnames=("config", "kernels"))
+@functools.partial(jax.jit, static_argnames=("config", "path"))
 def _sparse_update(
-    activation_grads, preprocessed_input, variables, step, index, *, config, kernels
+    activation_grads, preprocessed_input, variables, step, index, *, config, path: LookupPath
 ):
-    del kernels
+    del path
     return embedding.apply_gradients(
         activation_grads,
         preprocessed_input,
