@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Eight virtual CPU devices, the shape every multi-device test assumes. XLA
 # reads the flag once, when jax initializes its backend, so it is set here.
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
@@ -25,3 +27,31 @@ except ImportError:
 else:
     # Grain reads absl flags; under pytest nothing parses the command line.
     flags.FLAGS.mark_as_parsed()
+
+
+_CACHE_SETTINGS = (
+    "jax_enable_compilation_cache",
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+@pytest.fixture(autouse=True)
+def _compilation_cache_as_before():
+    """JAX's persistent compilation cache as it was before the test.
+
+    A command run in-process (`_cli.main(["train", ...])`) turns the cache on
+    for the whole process, as it should for a user; in a test process every
+    later test would then serialize each program it compiles, so what a test
+    does would depend on which tests ran before it in the same worker.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+    yield
+    if any(getattr(jax.config, name) != value for name, value in before.items()):
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
