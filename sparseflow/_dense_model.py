@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import embedding
@@ -83,3 +84,60 @@ def dense_model(
         global_batch_size=config.global_batch_size,
         loss=loss,
     )
+
+
+def abstract_outputs(
+    dense_model, feature_dims: Mapping[str, int], num_dense_features: int, batch: int
+) -> Any:
+    """The shapes and dtypes of `dense_model`'s outputs on a batch of `batch` examples.
+
+    Args:
+      dense_model: a `ShippedTower` or an `NnxModel`.
+      feature_dims: each feature's activation width.
+      num_dense_features: the width of `dense`.
+      batch: examples in the batch.
+    """
+    params = jax.eval_shape(dense_model.init, jax.random.key(0))
+    activations = {
+        name: jax.ShapeDtypeStruct((batch, dim), jnp.float32) for name, dim in feature_dims.items()
+    }
+    dense = jax.ShapeDtypeStruct((batch, num_dense_features), jnp.float32)
+    return jax.eval_shape(dense_model.forward, params, dense, activations)
+
+
+def is_float(value: Any, shape: tuple[int, ...]) -> bool:
+    """Whether `value` is a float array (or its shape and dtype) of `shape`."""
+    return getattr(value, "shape", None) == shape and jnp.issubdtype(value.dtype, jnp.floating)
+
+
+def describe(value: Any) -> str:
+    """`float32[8, 8]` for an array, the pytree's structure otherwise."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{value.dtype}{list(value.shape)}"
+    return str(jax.tree.map(describe, value))
+
+
+def check_scalar_function(function, outputs: Any, batch: int, what: str) -> None:
+    """Checks that `function(outputs, labels: int32[batch])` gives a float scalar.
+
+    Args:
+      function: a loss or a metric.
+      outputs: the model's outputs on a batch of `batch` examples, abstract.
+      batch: the batch's examples.
+      what: names `function` at the start of the messages.
+
+    Raises:
+      UsageError: it fails on these shapes, or returns anything else.
+    """
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    try:
+        value = jax.eval_shape(function, outputs, labels)
+    except Exception as error:  # a user's function may raise anything on these shapes
+        raise UsageError(
+            f"{what} failed on outputs {describe(outputs)} and labels int32[{batch}]: {error}"
+        ) from error
+    if not is_float(value, ()):
+        raise UsageError(
+            f"{what} must return a float scalar, got {describe(value)} (outputs "
+            f"{describe(outputs)})."
+        )

@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 import embedding
 from embedding import nnx as enx
+from sparseflow._dense_model import abstract_outputs, check_scalar_function, describe, is_float
 from sparseflow._errors import UsageError
 from sparseflow._model import sigmoid_cross_entropy
 
@@ -153,12 +153,15 @@ class NnxModel:
         if loss is None:
             loss = getattr(model_class, "loss", None) or sigmoid_cross_entropy
         model = cls(module, build, graphdef, embedding_state, layer_path, loss)
-        outputs = model._abstract_outputs(feature_specs, num_dense_features, global_batch_size)
+        dims = {name: spec.table_spec.embedding_dim for name, spec in feature_specs.items()}
+        outputs = abstract_outputs(model, dims, num_dense_features, global_batch_size)
         if loss is sigmoid_cross_entropy:
             model._check_logits(outputs, global_batch_size)
             return model
-        model._check_loss(outputs, global_batch_size)
-        per_example = _is_float(outputs, (global_batch_size,))
+        check_scalar_function(
+            loss, outputs, global_batch_size, f"model.module {module!r}: its loss(outputs, labels)"
+        )
+        per_example = is_float(outputs, (global_batch_size,))
         return dataclasses.replace(model, per_example_logits=per_example)
 
     def init(self, key: jax.Array) -> nnx.State:
@@ -176,51 +179,14 @@ class NnxModel:
         with enx.provided_activations({layer: dict(activations)}):
             return model(None, dense)
 
-    def _abstract_outputs(self, feature_specs, num_dense_features: int, batch: int) -> Any:
-        """The shapes and dtypes of the model's outputs on a batch of `batch` examples."""
-        params = jax.eval_shape(self.init, jax.random.key(0))
-        activations = {
-            name: jax.ShapeDtypeStruct((batch, spec.table_spec.embedding_dim), jnp.float32)
-            for name, spec in feature_specs.items()
-        }
-        dense = jax.ShapeDtypeStruct((batch, num_dense_features), jnp.float32)
-        return jax.eval_shape(self.forward, params, dense, activations)
-
     def _check_logits(self, outputs: Any, batch: int) -> None:
-        if not _is_float(outputs, (batch,)):
+        if not is_float(outputs, (batch,)):
             raise UsageError(
                 f"model.module {self.name!r}: model(sparse_batch, dense) must return logits "
-                f"float[batch] (float32[{batch}] for this config), got {_describe(outputs)}; "
+                f"float[batch] (float32[{batch}] for this config), got {describe(outputs)}; "
                 "a model with other outputs defines the loss that takes them "
                 "(`loss(outputs, labels)`, a static method of the class)."
             )
-
-    def _check_loss(self, outputs: Any, batch: int) -> None:
-        labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        try:
-            value = jax.eval_shape(self.loss, outputs, labels)
-        except Exception as error:  # the user's loss may raise anything on these shapes
-            raise UsageError(
-                f"model.module {self.name!r}: its loss(outputs, labels) failed on outputs "
-                f"{_describe(outputs)} and labels int32[{batch}]: {error}"
-            ) from error
-        if not _is_float(value, ()):
-            raise UsageError(
-                f"model.module {self.name!r}: its loss(outputs, labels) must return a float "
-                f"scalar, got {_describe(value)} (outputs {_describe(outputs)})."
-            )
-
-
-def _is_float(value: Any, shape: tuple[int, ...]) -> bool:
-    """Whether `value` is a float array (or its shape and dtype) of `shape`."""
-    return getattr(value, "shape", None) == shape and jnp.issubdtype(value.dtype, jnp.floating)
-
-
-def _describe(value: Any) -> str:
-    """`float32[8, 8]` for an array, the pytree's structure otherwise."""
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"{value.dtype}{list(value.shape)}"
-    return str(jax.tree.map(_describe, value))
 
 
 def _holds_embed(model: Any) -> bool:

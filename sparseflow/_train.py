@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,6 +32,7 @@ import pipelines
 from parallel import allreduce
 from sparseflow import (
     _dense_model,
+    _eval_metrics,
     _hosts,
     _in_flight,
     _limit_feedback,
@@ -74,6 +75,8 @@ class TrainOptions:
         (`sparseflow.Trainer`); the config's `model.args` are its arguments.
       loss: `(outputs, labels) -> float32[]` in place of the mean sigmoid
         cross-entropy of logits (or of a user's model class's own `loss`).
+      metrics: `{name: (outputs, labels) -> float[]}`, each reported as its
+        mean over the evaluation's batches (`sparseflow._eval_metrics`).
       input_timeout_s: the longest the loop waits for a batch before it
         stops with `pipelines.InputTimeoutError`; a Grain worker that dies
         stops it at once (`pipelines.InputWorkerError`).
@@ -94,6 +97,7 @@ class TrainOptions:
     input_timeout_s: float = pipelines.DEFAULT_INPUT_TIMEOUT_S
     model: type | None = None
     loss: Callable[[Any, Any], Any] | None = None
+    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None
 
 
 class TrainingDivergedError(embedding.SparseflowError, ValueError):
@@ -110,6 +114,8 @@ class TrainResult(NamedTuple):
         when the model's outputs are not per-example logits.
       eval_auc: AUC on `eval_data`, or None (also when the model's outputs
         are not per-example logits).
+      eval_metrics: each of the options' `metrics` on `eval_data`: its mean
+        over the batches (empty without `eval_data` or metrics).
       examples_per_s: training throughput of this process's run.
       seconds: wall time of the training loop.
       call_seconds: wall time of every step call of this run (pipelined: n + 2
@@ -127,6 +133,7 @@ class TrainResult(NamedTuple):
     losses: list[float]
     train_auc: float
     eval_auc: float | None
+    eval_metrics: dict[str, float]
     examples_per_s: float
     seconds: float
     call_seconds: list[float]
@@ -343,6 +350,18 @@ class _Run:
                 "The model's outputs are not per-example logits: no AUC is reported "
                 "(evaluate it with a metric of its own, as sparseflow.retrieval.recall_at_k)."
             )
+        self.metrics = {}
+        if options.metrics:
+            dims = {name: spec.table_spec.embedding_dim for name, spec in specs.items()}
+            outputs = _dense_model.abstract_outputs(
+                self.dense_model,
+                dims,
+                config.layout.num_dense_features,
+                config.global_batch_size,
+            )
+            self.metrics = _eval_metrics.check_metrics(
+                options.metrics, outputs, config.global_batch_size
+            )
         self.use_specs(specs)
         if config.model.pipeshard is not None and not self.pipelined:
             raise ValueError(
@@ -497,10 +516,12 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
                 if run.pipelined:
                     start = _new_segment_after_drain(run, n, start, snapshot.iterator_state)
         clock = _loop(run, batches, n, start, pending, checkpoints, metrics)
-    eval_auc = None
-    if options.eval_data is not None and run.dense_model.per_example_logits:
-        eval_auc = evaluate(run, options.eval_data)
-        metrics.scalar("eval/auc", eval_auc, n)
+    eval_auc, eval_metrics = None, {}
+    if options.eval_data is not None and (run.dense_model.per_example_logits or run.metrics):
+        eval_auc, eval_metrics = evaluate(run, options.eval_data)
+        for name, value in {"auc": eval_auc, **eval_metrics}.items():
+            if value is not None:
+                metrics.scalar(f"eval/{name}", value, n)
     metrics.close()
     if checkpoints is not None:
         checkpoints.close()
@@ -511,6 +532,7 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
         losses=run.losses,
         train_auc=run.window_auc(),
         eval_auc=eval_auc,
+        eval_metrics=eval_metrics,
         examples_per_s=trained * config.global_batch_size / seconds if seconds else 0.0,
         seconds=seconds,
         call_seconds=clock.calls,
@@ -836,9 +858,11 @@ def _save(run: _Run, checkpoints: Checkpoints, batches, done: int) -> None:
     )
 
 
-def evaluate(run: _Run, data) -> float:
-    """AUC of the current model on `data` (one pass, file order)."""
+def evaluate(run: _Run, data) -> tuple[float | None, dict[str, float]]:
+    """The current model on `data` (one pass, file order): its AUC (None when the
+    outputs are not per-example logits) and each of `run.metrics`' mean over the batches."""
     logits, labels = [], []
+    means = _eval_metrics.MetricMeans(run.metrics)
     with _iterator(run.config, run.options, run.specs, run.mesh, data, training=False) as batches:
         steps = batches.num_batches
         if run.config.training.eval_batches is not None:
@@ -847,6 +871,11 @@ def evaluate(run: _Run, data) -> float:
             out = run.stages.eval_logits(
                 run.state.params, run.tables, batch.sparse, _dense_inputs(batch)
             )
-            logits.append(_gathered(jax.block_until_ready(out)))
-            labels.append(_gathered(batch.labels))
-    return _model.roc_auc(np.concatenate(labels), np.concatenate(logits))
+            if run.metrics:
+                means.add(out, batch.labels)
+            if run.dense_model.per_example_logits:
+                logits.append(_gathered(jax.block_until_ready(out)))
+                labels.append(_gathered(batch.labels))
+    if not run.dense_model.per_example_logits:
+        return None, means.means()
+    return _model.roc_auc(np.concatenate(labels), np.concatenate(logits)), means.means()

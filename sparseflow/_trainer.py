@@ -41,6 +41,11 @@ class Trainer:
         `float32[batch, batch]`), else the mean sigmoid cross-entropy.
       devices: the mesh's device count in place of `mesh.devices`, for a
         config given as a file or a name.
+      metrics: `{name: (outputs, labels: int32[batch]) -> float[]}`, JAX
+        functions of one batch (e.g. accuracy); each is reported on
+        `fit`'s `eval_data` as its mean over the batches
+        (`TrainResult.eval_metrics`, and `eval/<name>` in TensorBoard). They
+        are checked on the model's outputs before training starts.
 
     Example (a model class `Wide` as in docs/training.md):
 
@@ -54,6 +59,7 @@ class Trainer:
     model_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     loss: Callable[[Any, Any], Any] | None = None
     devices: int | None = None
+    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None
 
     def fit(
         self,
@@ -93,6 +99,7 @@ class Trainer:
             progress=progress,
             model=self.model,
             loss=self.loss,
+            metrics=self.metrics,
         )
         return _train.train(config, options)
 

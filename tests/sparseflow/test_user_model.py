@@ -20,35 +20,41 @@ from sparseflow._errors import UsageError
 from sparseflow.config._checker import ConfigError
 
 
-def _config(small_run, name: str, model: dict):
+def _config(small_run, name: str, model: dict, **training):
+    """The small run's config with `model` and the `training` keys given."""
     tmp, path, _, _ = small_run
     raw = yaml.safe_load(path.read_text())
     raw["model"] = model
+    raw["training"].update(training)
     out = tmp / f"{name}.yaml"
     out.write_text(yaml.safe_dump(raw))
     return load_config(out)
 
 
-def _first_batch(config, data: str, tables):
-    """Global batch 0 of the run and its activations under `tables` (the run's own lookup)."""
+def _first_batch(config, data: str, tables, index: int = 0, training: bool = True):
+    """Global batch `index` of the run (of its evaluation if not `training`) and its
+    activations under `tables` (the run's own lookup)."""
     options = _train.TrainOptions(data=data, progress=False)
     mesh = _train.make_mesh(config.mesh.devices)
     specs = _train._feature_specs(config, options, mesh)
     batch = _in_flight.read_batch(
         data,
-        _train._batching(config, training=True),
+        _train._batching(config, training=training),
         _train._preprocess_config(config, options, specs, mesh),
         mesh,
-        0,
+        index,
     )
     activations = embedding.sparse_dense_matmul(batch.sparse.unpack(), tables, specs, mesh)
     return batch, {name: np.asarray(a, np.float64) for name, a in activations.items()}
 
 
-def _first_batch_logits(config, data: str, params, tables) -> tuple[np.ndarray, np.ndarray]:
-    """Float64 numpy logits and labels of global batch 0 under `params` and `tables`:
-    the activations of the run's own lookup, then the model's linear head."""
-    batch, activations = _first_batch(config, data, tables)
+def _first_batch_logits(
+    config, data: str, params, tables, index: int = 0, training: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 numpy logits and labels of global batch `index` (`_first_batch`) under
+    `params` and `tables`: the activations of the run's own lookup, then the model's
+    linear head."""
+    batch, activations = _first_batch(config, data, tables, index, training)
     x = np.concatenate(
         [activations[name] for name in sorted(activations)] + [np.asarray(batch.dense, np.float64)],
         axis=1,
@@ -203,3 +209,108 @@ def test_the_trainer_refuses_devices_for_a_loaded_config(small_run):
     _, _, config, data = small_run
     with pytest.raises(UsageError, match="has its mesh already"):
         sparseflow.Trainer(config, devices=2).fit(data, steps=1)
+
+
+def _brier(logits, labels):
+    """The mean squared error of the predicted probability (a metric of the tests)."""
+    return jnp.mean((jax.nn.sigmoid(logits) - labels) ** 2)
+
+
+def _tensorboard_scalars(folder) -> dict[str, float]:
+    """The last value of every scalar in the TensorBoard event files in `folder`."""
+    import tensorflow as tf
+
+    scalars = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                scalars[value.tag] = float(tf.make_ndarray(value.tensor))
+    return scalars
+
+
+def test_metrics_are_their_mean_over_the_evaluations_batches(small_run, tmp_path):
+    _, _, _, data = small_run
+    config = _config(small_run, "metrics", {"module": "user_models:LinearModel"}, eval_batches=2)
+    metrics = {"brier": _brier, "mean logit": lambda logits, labels: jnp.mean(logits)}
+    result = sparseflow.Trainer(config, metrics=metrics).fit(
+        data, steps=3, eval_data=data, metrics_dir=tmp_path / "tb", progress=False
+    )
+    # Float64 numpy on the evaluation's two batches, under the trained model.
+    values = {"brier": [], "mean logit": []}
+    for index in range(2):
+        z, y = _first_batch_logits(
+            config,
+            data,
+            result.train_state.params,
+            result.embedding_variables,
+            index,
+            training=False,
+        )
+        values["brier"].append(np.mean((1 / (1 + np.exp(-z)) - y) ** 2))
+        values["mean logit"].append(np.mean(z))
+    assert sorted(result.eval_metrics) == ["brier", "mean logit"]
+    for name, per_batch in values.items():
+        np.testing.assert_allclose(result.eval_metrics[name], np.mean(per_batch), rtol=1e-5)
+    assert values["brier"][0] != values["brier"][1]  # a mean of two, not one batch
+    assert 0.0 <= result.eval_auc <= 1.0  # the AUC is still reported beside them
+    written = _tensorboard_scalars(tmp_path / "tb")
+    for name in ("brier", "mean logit"):
+        np.testing.assert_allclose(written[f"eval/{name}"], result.eval_metrics[name], rtol=1e-6)
+    assert written["eval/auc"] == pytest.approx(result.eval_auc, rel=1e-6)
+
+
+def test_a_model_without_per_example_logits_is_evaluated_by_its_metrics(small_run):
+    _, _, _, data = small_run
+    config = _config(
+        small_run, "pairs-metric", {"module": "user_models:PairLogits"}, eval_batches=2
+    )
+
+    def diagonal_margin(logits, labels):
+        """How far each row's own logit stands above the row's mean, on average."""
+        return jnp.mean(jnp.diagonal(logits) - jnp.mean(logits, axis=1))
+
+    result = sparseflow.Trainer(config, metrics={"margin": diagonal_margin}).fit(
+        data, steps=2, eval_data=data, progress=False
+    )
+    assert result.eval_auc is None
+    expected = []
+    for index in range(2):
+        _, activations = _first_batch(
+            config, data, result.embedding_variables, index, training=False
+        )
+        first, second = sorted(activations)[:2]
+        project = result.train_state.params["project"]
+        w = np.asarray(project["kernel"][...], np.float64)
+        b = np.asarray(project["bias"][...], np.float64)
+        logits = (activations[first] @ w + b) @ activations[second].T
+        expected.append(np.mean(np.diagonal(logits) - logits.mean(axis=1)))
+    assert list(result.eval_metrics) == ["margin"]
+    np.testing.assert_allclose(
+        result.eval_metrics["margin"], np.mean(expected), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("metrics", "message"),
+    [
+        ({"auc": _brier}, "a metric's name is a non-empty string other than 'auc'"),
+        ({"": _brier}, "a metric's name is a non-empty string"),
+        ({"brier": 0.5}, "metric 'brier' is float, not a function"),
+        (
+            {"per example": lambda logits, labels: logits},
+            "metric 'per example' must return a float scalar, got float32[512]",
+        ),
+        (
+            {"broken": lambda logits, labels: logits @ labels[:3]},
+            "metric 'broken' failed on outputs float32[512] and labels int32[512]",
+        ),
+        ([_brier], "metrics must map names to functions"),
+    ],
+)
+def test_a_metric_that_cannot_score_the_outputs_is_refused_before_training(
+    small_run, metrics, message
+):
+    _, _, config, data = small_run
+    options = _train.TrainOptions(data=data, steps=1, progress=False, metrics=metrics)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _train._Run(config, options, _train.make_mesh(config.mesh.devices))
