@@ -214,11 +214,12 @@ class GrainWorkers:
 
     def _failed(self) -> dict[int, int | None]:
         """`{index: exit code}` of the workers that ended before they were done, by index."""
-        return {
-            index: code
-            for index, code in sorted(self._exits.items())
-            if code != 0 and (code is not None or not self._done(index))
-        }
+        return {index: code for index, code in sorted(self._exits.items()) if self._failure(index)}
+
+    def _failure(self, index: int) -> bool:
+        """Whether worker `index`, which ended, ended before it was done."""
+        code = self._exits[index]
+        return code != 0 and (code is not None or not self._done(index))
 
     def _take_reports(self) -> None:
         try:
@@ -275,7 +276,7 @@ class GrainWorkers:
         pipes = self._pipes.pop(index, frozenset())
         # One that was done sent whole batches; another may have been killed
         # in the middle of one.
-        if index in self._failed():
+        if self._failure(index):
             let_go(pipes)
 
 
