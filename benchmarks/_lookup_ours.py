@@ -82,6 +82,8 @@ def optimizer_spec(name: str, shape: LookupShape) -> embedding.OptimizerSpec:
         )
     if name == "f2a":
         return embedding.F2AOptimizerSpec(learning_rate=lr, initial_accumulator_value=initial)
+    if name == "rowwise_adam":
+        return embedding.RowWiseAdamOptimizerSpec(learning_rate=lr, epsilon=shape.epsilon)
     raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS + OURS_ONLY_OPTIMIZERS}")
 
 

@@ -29,6 +29,8 @@ from embedding._optimizers import (
     OptimizerSpec,
     RowWiseAdagradOptimizerSpec,
     RowWiseAdagradSlots,
+    RowWiseAdamOptimizerSpec,
+    RowWiseAdamSlots,
     SGDOptimizerSpec,
     SGDSlots,
 )
@@ -132,6 +134,8 @@ __all__ = [
     "RaggedIds",
     "RowWiseAdagradOptimizerSpec",
     "RowWiseAdagradSlots",
+    "RowWiseAdamOptimizerSpec",
+    "RowWiseAdamSlots",
     "SGDOptimizerSpec",
     "SGDSlots",
     "SparseDenseMatmulInput",

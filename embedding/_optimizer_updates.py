@@ -31,6 +31,7 @@ from embedding._optimizers import (
     OptimizerSpec,
     RowWiseAdagradOptimizerSpec,
     RowWiseAdagradSlots,
+    RowWiseAdamOptimizerSpec,
     SGDOptimizerSpec,
     SGDSlots,
 )
@@ -94,6 +95,37 @@ def adam(
     velocity = beta_2 * velocity + (1 - beta_2) * grads * grads
     rows = rows - alpha_t * momentum / (jnp.sqrt(velocity) + epsilon_hat)
     return rows, momentum, velocity
+
+
+def rowwise_adam(
+    rows: jax.Array,
+    momentum: jax.Array,
+    velocity: jax.Array,
+    grads: jax.Array,
+    learning_rate: Any,
+    beta_1: Any,
+    beta_2: Any,
+    epsilon: Any,
+    weight_decay: Any,
+    t: Any,
+    *,
+    row_dims: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Row-wise Adam (`RowWiseAdamOptimizerSpec`) at time `t`, its scalars those of
+    `get_hyperparameters`.
+
+    Args:
+      rows, momentum, grads: `float32[n, D]` (grads zero in the padding columns).
+      velocity: `float32[n]`.
+      row_dims: `float32[n]`, each row's table's embedding dim.
+
+    Returns `(w', m', v')`.
+    """
+    momentum = beta_1 * momentum + (1 - beta_1) * grads
+    velocity = beta_2 * velocity + (1 - beta_2) * jnp.sum(grads * grads, axis=1) / row_dims
+    denominator = jnp.sqrt(velocity / (1 - beta_2**t)) + epsilon
+    direction = momentum / (1 - beta_1**t) / denominator[:, None] + weight_decay * rows
+    return rows - learning_rate * direction, momentum, velocity
 
 
 def laprop(
@@ -222,13 +254,17 @@ def _apply_rowwise_adagrad(
     return rows, RowWiseAdagradSlots(accumulator)
 
 
-def _with_hyperparameters(rule: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., Any]:
+def _with_hyperparameters(
+    rule: Callable[..., tuple[jax.Array, ...]], *, row_wise: bool = False
+) -> Callable[..., Any]:
     """The `_UPDATES` entry of a rule called as `rule(rows, *slots, grads,
-    *spec.get_hyperparameters(step))`, returning `(rows, *slots)`."""
+    *spec.get_hyperparameters(step))` (and `row_dims=` if `row_wise`), returning
+    `(rows, *slots)`."""
 
     def apply(spec, rows, slots, grads, learning_rate, step, row_dims):
-        del learning_rate, row_dims  # the hyperparameters hold the learning rate
-        rows, *new_slots = rule(rows, *slots, grads, *spec.get_hyperparameters(step))
+        del learning_rate  # the hyperparameters hold it
+        keywords = {"row_dims": row_dims} if row_wise else {}
+        rows, *new_slots = rule(rows, *slots, grads, *spec.get_hyperparameters(step), **keywords)
         return rows, spec.slots_type(*new_slots)
 
     return apply
@@ -260,6 +296,7 @@ _UPDATES: dict[type, Callable[..., tuple[jax.Array, Any]]] = {
     LaPropOptimizerSpec: _with_hyperparameters(laprop),
     AdagradMomentumOptimizerSpec: _with_hyperparameters(adagrad_momentum),
     F2AOptimizerSpec: _with_hyperparameters(f2a),
+    RowWiseAdamOptimizerSpec: _with_hyperparameters(rowwise_adam, row_wise=True),
 }
 
 

@@ -140,6 +140,19 @@ class F2ASlots(NamedTuple):
     local_step: Any
 
 
+class RowWiseAdamSlots(NamedTuple):
+    """Row-wise Adam's state.
+
+    Attributes:
+      momentum: `float32[rows, dim]`, the first moment, per element.
+      velocity: `float32[rows]`, the second moment of each row's mean
+        squared gradient (1/dim of Adam's second-moment memory).
+    """
+
+    momentum: Any
+    velocity: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
     """Base of the optimizer specs.
@@ -550,3 +563,57 @@ class F2AOptimizerSpec(OptimizerSpec):
 
     def slot_initial_values(self) -> F2ASlots:
         return F2ASlots(float(self.initial_accumulator_value), float(self.initial_local_step_value))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWiseAdamOptimizerSpec(OptimizerSpec):
+    """Row-wise Adam, as FBGEMM's `PARTIAL_ROWWISE_ADAM` (TorchRec's
+    `EmbOptimType.PARTIAL_ROWWISE_ADAM`) defines it: the first moment per
+    element, the second per row, at `t = step + 1`,
+
+        m' = b1 * m + (1 - b1) * g
+        v' = b2 * v + (1 - b2) * sum(g * g) / dim
+        w' = w - lr * (m' / (1 - b1^t) / (sqrt(v' / (1 - b2^t)) + epsilon) + weight_decay * w)
+
+    where `g` is the row's summed gradient in the batch and `dim` the table's
+    embedding dim (without the stack's padding columns). FBGEMM runs it on
+    GPUs only; here it runs wherever the update does.
+
+    Attributes:
+      beta_1: decay of the first moment, in [0, 1).
+      beta_2: decay of the second moment, in [0, 1).
+      epsilon: added to the root of the second moment, >= 0.
+      weight_decay: the decoupled decay of the row's weights, >= 0.
+    """
+
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-8
+    weight_decay: float = 0.0
+    config_type: ClassVar[str] = "rowwise_adam"
+    slots_type: ClassVar[type] = RowWiseAdamSlots
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = "RowWiseAdamOptimizerSpec"
+        _check_decay(owner, beta_1=self.beta_1, beta_2=self.beta_2)
+        _check_non_negative(owner, epsilon=self.epsilon, weight_decay=self.weight_decay)
+
+    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
+        """`(learning_rate, beta_1, beta_2, epsilon, weight_decay, t)` with `t =
+        step + 1` (step None is 0), `float32[]` each."""
+        step = 0 if step is None else step
+        return _float32(
+            self.get_learning_rate(step),
+            self.beta_1,
+            self.beta_2,
+            self.epsilon,
+            self.weight_decay,
+            step + 1,
+        )
+
+    def slot_initial_values(self) -> RowWiseAdamSlots:
+        return RowWiseAdamSlots(0.0, 0.0)
+
+    def slot_shapes(self, rows: int, dim: int) -> RowWiseAdamSlots:
+        return RowWiseAdamSlots((rows, dim), (rows,))

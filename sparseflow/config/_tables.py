@@ -30,6 +30,7 @@ _OPTIMIZERS: dict[str, type[embedding.OptimizerSpec]] = {
         embedding.LaPropOptimizerSpec,
         embedding.AdagradMomentumOptimizerSpec,
         embedding.F2AOptimizerSpec,
+        embedding.RowWiseAdamOptimizerSpec,
     )
 }
 _INITIALIZERS: dict[str, type] = {

@@ -219,6 +219,17 @@ def _f2a(spec: embedding.F2AOptimizerSpec, w, slots, g, lr, step):
     return new_w, {"accumulator": accumulator, "local_step": local_step}
 
 
+def _rowwise_adam(spec: embedding.RowWiseAdamOptimizerSpec, w, slots, g, lr, step):
+    """FBGEMM's PARTIAL_ROWWISE_ADAM: Adam whose second moment is the row's mean
+    squared gradient, at t = step + 1, with decoupled weight decay."""
+    t = step + 1
+    m = spec.beta_1 * slots["momentum"] + (1 - spec.beta_1) * g
+    v = spec.beta_2 * slots["velocity"] + (1 - spec.beta_2) * np.mean(g * g)
+    m_hat, v_hat = m / (1 - spec.beta_1**t), v / (1 - spec.beta_2**t)
+    new_w = w - lr * (m_hat / (np.sqrt(v_hat) + spec.epsilon) + spec.weight_decay * w)
+    return new_w, {"momentum": m, "velocity": v}
+
+
 def update_row(spec: embedding.OptimizerSpec, w, slots: dict, g, step: int):
     """One optimizer step on one row (float64)."""
     lr = _learning_rate(spec, step)
@@ -239,6 +250,8 @@ def update_row(spec: embedding.OptimizerSpec, w, slots: dict, g, step: int):
         return w - lr * m_hat / (np.sqrt(v_hat) + spec.epsilon), {"momentum": m, "velocity": v}
     if isinstance(spec, embedding.LaPropOptimizerSpec):
         return _laprop(spec, w, slots, g, lr, step)
+    if isinstance(spec, embedding.RowWiseAdamOptimizerSpec):
+        return _rowwise_adam(spec, w, slots, g, lr, step)
     if isinstance(spec, embedding.AdagradMomentumOptimizerSpec):
         return _adagrad_momentum(spec, w, slots, g, lr)
     if isinstance(spec, embedding.F2AOptimizerSpec):

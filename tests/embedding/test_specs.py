@@ -165,6 +165,11 @@ def test_feature_spec_table_must_be_a_table_spec():
             embedding.F2ASlots(accumulator=0.2, local_step=3.0),
             embedding.F2ASlots(accumulator=(64, 8), local_step=(64, 8)),
         ),
+        (
+            embedding.RowWiseAdamOptimizerSpec(),
+            embedding.RowWiseAdamSlots(momentum=0.0, velocity=0.0),
+            embedding.RowWiseAdamSlots(momentum=(64, 8), velocity=(64,)),
+        ),
     ],
 )
 def test_optimizer_slots(spec, slots, shapes):
@@ -190,6 +195,7 @@ def test_optimizer_slots(spec, slots, shapes):
         (embedding.LaPropOptimizerSpec(), "laprop"),
         (embedding.AdagradMomentumOptimizerSpec(), "adagrad_momentum"),
         (embedding.F2AOptimizerSpec(), "f2a"),
+        (embedding.RowWiseAdamOptimizerSpec(), "rowwise_adam"),
     ],
 )
 def test_optimizer_short_name(spec, name):
@@ -245,6 +251,12 @@ def _f32(*values) -> tuple:
             _f32(0.93, 0.25, 0.01, 0.02, 8, 7),
         ),
         (embedding.F2AOptimizerSpec(0.5), None, _f32(0.5, 0.5, 0, 0, 1e6, 0)),
+        (
+            embedding.RowWiseAdamOptimizerSpec(_schedule, 0.5, 0.75, 0.1, 0.01),
+            4,
+            _f32(0.96, 0.5, 0.75, 0.1, 0.01, 5),
+        ),
+        (embedding.RowWiseAdamOptimizerSpec(0.2), None, _f32(0.2, 0.9, 0.999, 1e-8, 0, 1)),
     ],
 )
 def test_optimizer_hyperparameters(spec, step, expected):
@@ -326,6 +338,10 @@ def test_optimizer_positional_arguments_follow_the_reference_order():
         (lambda: embedding.F2AOptimizerSpec(rho=-1), "rho must be"),
         (lambda: embedding.F2AOptimizerSpec(max_lr_multiplier=0), "max_lr_multiplier"),
         (lambda: embedding.F2AOptimizerSpec(l1_regularization_strength=-1), "l1_regular"),
+        (lambda: embedding.RowWiseAdamOptimizerSpec(beta_1=1.0), "beta_1 must be in"),
+        (lambda: embedding.RowWiseAdamOptimizerSpec(beta_2=-0.1), "beta_2 must be in"),
+        (lambda: embedding.RowWiseAdamOptimizerSpec(epsilon=-1), "epsilon must be finite"),
+        (lambda: embedding.RowWiseAdamOptimizerSpec(weight_decay=-1), "weight_decay must be"),
     ],
 )
 def test_optimizer_validation(make, message):

@@ -72,6 +72,12 @@ OPTIMIZERS = {
         initial_accumulator_value=0.2,
         initial_momentum_value=0.05,
     ),
+    "rowwise_adam": embedding.RowWiseAdamOptimizerSpec(
+        learning_rate=lambda step: 0.05 / (1.0 + step), beta_1=0.8, beta_2=0.9, epsilon=1e-3
+    ),
+    "rowwise_adam_decay": embedding.RowWiseAdamOptimizerSpec(
+        learning_rate=0.02, epsilon=1e-6, weight_decay=0.1
+    ),
     # Over three steps a row first updated at step 2 gets the boost
     # sqrt(2 / 1), capped at 1.2; rows updated twice get 1 or less.
     "f2a": embedding.F2AOptimizerSpec(
@@ -161,6 +167,9 @@ CASES = [
     ("adam", "adagrad", "sum", 8, 1),
     ("rowwise_adagrad", "rowwise_adagrad", "mean", 2, 2),
     ("sgd", "rowwise_adagrad", "sum", 8, 1),
+    ("rowwise_adam", "adam", "mean", 1, 1),
+    ("rowwise_adam_decay", "rowwise_adam", "sqrtn", 2, 2),
+    ("sgd", "rowwise_adam_decay", "sum", 8, 1),
 ]
 # Each of jax-tpu-embedding's other optimizers on a table of its own ("a") and
 # on a stack ("bc"), on one device, two (two partitions each) and eight.

@@ -196,9 +196,13 @@ def test_valid_config_builds_the_synthetic_dataset(tmp_path):
                 rho=0.25, max_lr_multiplier=10, l1_regularization_strength=1
             ),
         ),
+        (
+            {"type": "rowwise_adam", "beta_2": 0.99, "weight_decay": 0.001},
+            embedding.RowWiseAdamOptimizerSpec(beta_2=0.99, weight_decay=0.001),
+        ),
     ],
 )
-def test_jax_tpu_embedding_optimizers_by_type(tmp_path, optimizer, expected):
+def test_the_later_optimizers_load_by_their_type(tmp_path, optimizer, expected):
     config = _base()
     config["tables"][2]["optimizer"] = optimizer
     assert load_config(_write(tmp_path, config)).tables["c"].optimizer == expected
@@ -453,7 +457,7 @@ ERROR_CASES = {
     "unknown optimizer": (
         _set("tables.0.optimizer.type", "rmsprop"),
         "tables[0].optimizer.type: unknown optimizer type 'rmsprop'; choose one of: sgd, "
-        "adagrad, rowwise_adagrad, adam, ftrl, laprop, adagrad_momentum, f2a",
+        "adagrad, rowwise_adagrad, adam, ftrl, laprop, adagrad_momentum, f2a, rowwise_adam",
     ),
     "unknown initializer": (
         _set("tables.0.initializer.type", "xavier"),
