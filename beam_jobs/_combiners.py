@@ -200,7 +200,23 @@ class IdFrequencyFn(beam.CombineFn):
         )
 
 
-class PartialCombineFn(beam.CombineFn):
+class _OnAccumulatorsOf(beam.CombineFn):
+    """A CombineFn whose accumulators are `fn`'s: `fn` creates, merges and compacts them."""
+
+    def __init__(self, fn: beam.CombineFn):
+        self._fn = fn
+
+    def create_accumulator(self):
+        return self._fn.create_accumulator()
+
+    def merge_accumulators(self, accumulators):
+        return self._fn.merge_accumulators(accumulators)
+
+    def compact(self, accumulator):
+        return self._fn.compact(accumulator)
+
+
+class PartialCombineFn(_OnAccumulatorsOf):
     """`fn`, stopped short: its output is `fn`'s (compacted) accumulator.
 
     With `MergeAccumulatorsFn(fn)` it combines separate PCollections without
@@ -208,42 +224,18 @@ class PartialCombineFn(beam.CombineFn):
     accumulators are merged.
     """
 
-    def __init__(self, fn: beam.CombineFn):
-        self._fn = fn
-
-    def create_accumulator(self):
-        return self._fn.create_accumulator()
-
     def add_input(self, accumulator, element):
         return self._fn.add_input(accumulator, element)
-
-    def merge_accumulators(self, accumulators):
-        return self._fn.merge_accumulators(accumulators)
-
-    def compact(self, accumulator):
-        return self._fn.compact(accumulator)
 
     def extract_output(self, accumulator):
         return self._fn.compact(accumulator)
 
 
-class MergeAccumulatorsFn(beam.CombineFn):
+class MergeAccumulatorsFn(_OnAccumulatorsOf):
     """`fn`'s output from accumulators of `fn` (see `PartialCombineFn`)."""
-
-    def __init__(self, fn: beam.CombineFn):
-        self._fn = fn
-
-    def create_accumulator(self):
-        return self._fn.create_accumulator()
 
     def add_input(self, accumulator, element):
         return self._fn.merge_accumulators([accumulator, element])
-
-    def merge_accumulators(self, accumulators):
-        return self._fn.merge_accumulators(accumulators)
-
-    def compact(self, accumulator):
-        return self._fn.compact(accumulator)
 
     def extract_output(self, accumulator):
         return self._fn.extract_output(accumulator)
