@@ -7,7 +7,7 @@ input into bundles or in which order it merges the partial results.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import apache_beam as beam
@@ -20,6 +20,16 @@ from embedding.checks import check_int
 _PENDING_LIMIT = 64
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9), ("max", 100.0))
 """The percentiles of the stats file's `batch_max_percentiles`: (name, q)."""
+
+
+def _folded(accumulators: Iterable[dict], add: Callable[[dict, dict], Any]) -> dict:
+    """The first of `accumulators`, with each of the others added into it by
+    `add(merged, accumulator)` (a CombineFn's `merge_accumulators`)."""
+    accumulators = iter(accumulators)
+    merged = next(accumulators)
+    for accumulator in accumulators:
+        add(merged, accumulator)
+    return merged
 
 
 class ElementwiseMaxFn(beam.CombineFn):
@@ -47,11 +57,7 @@ class ElementwiseMaxFn(beam.CombineFn):
         return accumulator
 
     def merge_accumulators(self, accumulators: Iterable[dict]) -> dict:
-        accumulators = iter(accumulators)
-        merged = next(accumulators)
-        for accumulator in accumulators:
-            self.add_input(merged, accumulator)
-        return merged
+        return _folded(accumulators, self.add_input)
 
     def extract_output(self, accumulator: dict) -> dict[Hashable, np.ndarray]:
         return dict(accumulator)
@@ -79,14 +85,13 @@ class IntHistogramFn(beam.CombineFn):
         return accumulator
 
     def merge_accumulators(self, accumulators: Iterable[dict]) -> dict:
-        accumulators = iter(accumulators)
-        merged = next(accumulators)
-        for accumulator in accumulators:
-            for key, counts in accumulator.items():
-                total = _widened(merged.get(key), counts.shape[0], counts.shape[1])
-                total[:, : counts.shape[1]] += counts
-                merged[key] = total
-        return merged
+        return _folded(accumulators, self._add_accumulator)
+
+    def _add_accumulator(self, merged: dict, accumulator: dict) -> None:
+        for key, counts in accumulator.items():
+            total = _widened(merged.get(key), counts.shape[0], counts.shape[1])
+            total[:, : counts.shape[1]] += counts
+            merged[key] = total
 
     def extract_output(self, accumulator: dict) -> dict[Hashable, np.ndarray]:
         return dict(accumulator)
@@ -173,14 +178,13 @@ class IdFrequencyFn(beam.CombineFn):
         return accumulator
 
     def merge_accumulators(self, accumulators: Iterable[dict]) -> dict:
-        accumulators = iter(accumulators)
-        merged = next(accumulators)
-        for accumulator in accumulators:
-            for table, entry in accumulator.items():
-                self.add_input(merged, {table: (entry.ids, entry.counts)})
-                for ids, counts in entry.pending:
-                    self.add_input(merged, {table: (ids, counts)})
-        return merged
+        return _folded(accumulators, self._add_accumulator)
+
+    def _add_accumulator(self, merged: dict, accumulator: dict) -> None:
+        for table, entry in accumulator.items():
+            self.add_input(merged, {table: (entry.ids, entry.counts)})
+            for ids, counts in entry.pending:
+                self.add_input(merged, {table: (ids, counts)})
 
     def compact(self, accumulator: dict) -> dict:
         for entry in accumulator.values():
@@ -200,7 +204,23 @@ class IdFrequencyFn(beam.CombineFn):
         )
 
 
-class PartialCombineFn(beam.CombineFn):
+class _OnAccumulatorsOf(beam.CombineFn):
+    """A CombineFn whose accumulators are `fn`'s: `fn` creates, merges and compacts them."""
+
+    def __init__(self, fn: beam.CombineFn):
+        self._fn = fn
+
+    def create_accumulator(self):
+        return self._fn.create_accumulator()
+
+    def merge_accumulators(self, accumulators):
+        return self._fn.merge_accumulators(accumulators)
+
+    def compact(self, accumulator):
+        return self._fn.compact(accumulator)
+
+
+class PartialCombineFn(_OnAccumulatorsOf):
     """`fn`, stopped short: its output is `fn`'s (compacted) accumulator.
 
     With `MergeAccumulatorsFn(fn)` it combines separate PCollections without
@@ -208,42 +228,18 @@ class PartialCombineFn(beam.CombineFn):
     accumulators are merged.
     """
 
-    def __init__(self, fn: beam.CombineFn):
-        self._fn = fn
-
-    def create_accumulator(self):
-        return self._fn.create_accumulator()
-
     def add_input(self, accumulator, element):
         return self._fn.add_input(accumulator, element)
-
-    def merge_accumulators(self, accumulators):
-        return self._fn.merge_accumulators(accumulators)
-
-    def compact(self, accumulator):
-        return self._fn.compact(accumulator)
 
     def extract_output(self, accumulator):
         return self._fn.compact(accumulator)
 
 
-class MergeAccumulatorsFn(beam.CombineFn):
+class MergeAccumulatorsFn(_OnAccumulatorsOf):
     """`fn`'s output from accumulators of `fn` (see `PartialCombineFn`)."""
-
-    def __init__(self, fn: beam.CombineFn):
-        self._fn = fn
-
-    def create_accumulator(self):
-        return self._fn.create_accumulator()
 
     def add_input(self, accumulator, element):
         return self._fn.merge_accumulators([accumulator, element])
-
-    def merge_accumulators(self, accumulators):
-        return self._fn.merge_accumulators(accumulators)
-
-    def compact(self, accumulator):
-        return self._fn.compact(accumulator)
 
     def extract_output(self, accumulator):
         return self._fn.extract_output(accumulator)

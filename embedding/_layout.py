@@ -201,6 +201,19 @@ class SortedStack(NamedTuple):
     def group_shift(self) -> int:
         return self.local_bits + self.sample_bits
 
+    def key_fields(self, partition_bits: int) -> tuple[np.ndarray, int, int, int, int, int]:
+        """`(packed, index_bits, group_shift, sample_bits, local_bits, partition_bits)`:
+        the keys and the widths of their fields, the leading arguments of the
+        minibatching kernels (`count_buckets`, `add_minibatch_to_keys`)."""
+        return (
+            self.packed,
+            self.index_bits,
+            self.group_shift,
+            self.sample_bits,
+            self.local_bits,
+            partition_bits,
+        )
+
 
 def _log2(n: int) -> int:
     return n.bit_length() - 1
@@ -254,15 +267,7 @@ def minibatching_split(
     """`(exceeds a limit, split mask)` of one stack (module `_minibatch`)."""
     g = geometry
     log_n = _log2(g.num_partitions)
-    ids, unique = count_buckets(
-        stack.packed,
-        stack.index_bits,
-        stack.group_shift,
-        stack.sample_bits,
-        stack.local_bits,
-        log_n,
-        g.num_slots * g.num_partitions,
-    )
+    ids, unique = count_buckets(*stack.key_fields(log_n), g.num_slots * g.num_partitions)
     over = bool(
         (ids.sum(axis=1) > limits.max_ids_per_partition).any()
         or (unique.sum(axis=1) > limits.max_unique_ids_per_partition).any()
@@ -287,16 +292,7 @@ def _with_minibatches(stack: SortedStack, geometry: LayoutGeometry, minibatches:
     """The stack's keys re-keyed as (slot, minibatch, partition, ...) and sorted."""
     log_n = _log2(geometry.num_partitions)
     packed = np.empty_like(stack.packed)
-    add_minibatch_to_keys(
-        stack.packed,
-        stack.index_bits,
-        stack.group_shift,
-        stack.sample_bits,
-        stack.local_bits,
-        log_n,
-        minibatches,
-        packed,
-    )
+    add_minibatch_to_keys(*stack.key_fields(log_n), minibatches, packed)
     # The input is sorted, so within one (slot, minibatch) the rest of the
     # key is in order already: a stable sort by those two fields suffices.
     low = stack.index_bits + stack.group_shift + log_n

@@ -18,6 +18,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "AdagradMomentumOptimizerSpec",
+    "AdagradMomentumSlots",
+    "AdagradOptimizerSpec",
+    "AdagradSlots",
+    "AdamOptimizerSpec",
+    "AdamSlots",
+    "F2AOptimizerSpec",
+    "F2ASlots",
+    "FTRLOptimizerSpec",
+    "FTRLSlots",
+    "LaPropOptimizerSpec",
+    "LaPropSlots",
+    "OptimizerSpec",
+    "RowWiseAdagradOptimizerSpec",
+    "RowWiseAdagradSlots",
+    "RowWiseAdamOptimizerSpec",
+    "RowWiseAdamSlots",
+    "SGDOptimizerSpec",
+    "SGDSlots",
+]
+
 LearningRate = float | Callable[..., Any]
 """A constant, or a schedule called with the step (or with no argument)."""
 

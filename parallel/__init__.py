@@ -16,44 +16,10 @@ using only the all-reduce, never need.
 
 import importlib
 
-from parallel import allreduce
-from parallel.sc_tc import (
-    CurrentStepInput,
-    LastStepInput,
-    PipelineState,
-    ScBwdStageFun,
-    ScFwdStageFun,
-    StepBeforeLastStepInput,
-    TcStageFun,
-    get_initial_state,
-    get_pipeline_state_sharding,
-    get_pipeline_train_steps,
-    host_driven_step,
-    is_output_valid,
-    jit_step,
-    step,
-    unstacked_tc_function,
-)
+from parallel import allreduce, sc_tc
+from parallel.sc_tc import *  # noqa: F403 - the names sc_tc's __all__ lists, exported here too
 
-__all__ = [
-    "CurrentStepInput",
-    "LastStepInput",
-    "PipelineState",
-    "ScBwdStageFun",
-    "ScFwdStageFun",
-    "StepBeforeLastStepInput",
-    "TcStageFun",
-    "allreduce",
-    "get_initial_state",
-    "get_pipeline_state_sharding",
-    "get_pipeline_train_steps",
-    "host_driven_step",
-    "is_output_valid",
-    "jit_step",
-    "pipeshard",
-    "step",
-    "unstacked_tc_function",
-]
+__all__ = ["allreduce", "pipeshard", *sc_tc.__all__]  # noqa: F405 - pipeshard: see __getattr__
 
 _LAZY_SUBMODULES = frozenset({"pipeshard"})
 

@@ -95,25 +95,29 @@ def _hash_len0to16(data, s, length):
     return _K2
 
 
-@numba.njit(cache=True, nogil=True)
-def _hash_len17to32(data, s, length):
-    mul = _K2 + np.uint64(length) * np.uint64(2)
-    a = _fetch64(data, s) * _K1
+@numba.njit(cache=True, nogil=True, inline="always")
+def _hash_ends16(data, s, length, mul, a_multiplier):
+    """`(a, y, hash)`: FarmHash's mix of the first and the last 16 bytes, with
+    which HashLen17to32 (`a_multiplier` k1) ends and HashLen33to64 (k2) begins.
+    `a` and `y` are the intermediates HashLen33to64 goes on with."""
+    a = _fetch64(data, s) * a_multiplier
     b = _fetch64(data, s + 8)
     c = _fetch64(data, s + length - 8) * mul
     d = _fetch64(data, s + length - 16) * _K2
-    return _hash_len16(_rotate(a + b, 43) + _rotate(c, 30) + d, a + _rotate(b + _K2, 18) + c, mul)
+    y = _rotate(a + b, 43) + _rotate(c, 30) + d
+    return a, y, _hash_len16(y, a + _rotate(b + _K2, 18) + c, mul)
+
+
+@numba.njit(cache=True, nogil=True)
+def _hash_len17to32(data, s, length):
+    mul = _K2 + np.uint64(length) * np.uint64(2)
+    return _hash_ends16(data, s, length, mul, _K1)[2]
 
 
 @numba.njit(cache=True, nogil=True)
 def _hash_len33to64(data, s, length):
     mul = _K2 + np.uint64(length) * np.uint64(2)
-    a = _fetch64(data, s) * _K2
-    b = _fetch64(data, s + 8)
-    c = _fetch64(data, s + length - 8) * mul
-    d = _fetch64(data, s + length - 16) * _K2
-    y = _rotate(a + b, 43) + _rotate(c, 30) + d
-    z = _hash_len16(y, a + _rotate(b + _K2, 18) + c, mul)
+    a, y, z = _hash_ends16(data, s, length, mul, _K2)
     e = _fetch64(data, s + 16) * mul
     f = _fetch64(data, s + 24)
     g = (y + _fetch64(data, s + length - 32)) * mul

@@ -195,7 +195,8 @@ class _PrepareBatch:
     ):
         self._plan = plan
         self._reader = reader
-        self._stage = stage
+        # Fill-in records come from the same plan and reader as the batch's own.
+        self._stage = functools.partial(stage, plan=plan, reader=reader)
         self._buffers = buffers
         self._workers = workers
 
@@ -207,8 +208,6 @@ class _PrepareBatch:
         batch = self._stage(
             batch_number,
             records,
-            plan=self._plan,
-            reader=self._reader,
             read_s=time.perf_counter() - start,
             allocate=self._shared_buffer if self._buffers is not None else None,
         )

@@ -32,6 +32,7 @@ restore starts there (unshuffled, by reading past the earlier chunks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -127,7 +128,8 @@ class _TFDataSource:
     def __init__(self, plan: BatchPlan, reader: TFRecordReader, stage: PreprocessStage):
         self._plan = plan
         self._reader = reader
-        self._stage = stage
+        # Fill-in records come from the same plan and reader as the batch's own.
+        self._stage = functools.partial(stage, plan=plan, reader=reader)
         self._next_batch = 0
         self._chunks = None
 
@@ -181,13 +183,7 @@ class _TFDataSource:
                 f"file: {tf_error_reason(error)}"
             ) from error
         records = chunk.numpy().tolist()
-        batch = self._stage(
-            batch_number,
-            records,
-            plan=self._plan,
-            reader=self._reader,
-            read_s=time.perf_counter() - start,
-        )
+        batch = self._stage(batch_number, records, read_s=time.perf_counter() - start)
         self._next_batch += 1
         return batch
 

@@ -10,18 +10,12 @@ from sparseflow.config._run_config import RunConfig
 
 def job_config(config: RunConfig) -> beam_jobs.FdoJobConfig:
     """The FDO job's view of a run config: training's batches; the stats carry its layout."""
-    mesh = config.mesh
     return beam_jobs.FdoJobConfig(
         feature_specs=config.feature_specs,
         # The moments of standardized keys are those of the raw values.
         layout=pipelines.FeatureLayout.from_schema(config.layout.schema.without_standardization()),
         moments_schema=config.layout.schema if config.layout.schema.standardized() else None,
-        geometry=embedding.FdoGeometry(
-            global_batch_size=config.global_batch_size,
-            devices=mesh.devices,
-            partitions_per_device=mesh.partitions_per_device,
-            processes=mesh.processes,
-        ),
+        geometry=config.fdo_geometry,
         config_hash=config.config_hash,
         fdo_layout=config.fdo_layout,
         training_order=beam_jobs.TrainingOrder(

@@ -5,14 +5,12 @@ to what the batch needs and writes them to `fdo_limit_raises.json` in the
 stats directory; the next run that loads the stats (`train --fdo DIR`) starts
 from the larger of the stats' limits and these.
 
-File format (JSON, UTF-8), version 1:
+File format (JSON, UTF-8), version 1: an object with the `format` (here
+"sparseflow.fdo_limit_raises"), `version` and `geometry` entries of the
+stats file (`_file.py`), and these:
 
   {
-    "format": "sparseflow.fdo_limit_raises",
-    "version": 1,
     "layout_key": "<FdoLayout.key of the run>",
-    "geometry": {"global_batch_size": B, "devices": G,
-                 "partitions_per_device": S, "processes": P},
     "stacks": {"<stack>": {"max_ids_per_partition": int,
                            "max_unique_ids_per_partition": int,
                            "suggested_coo_buffer_size_per_device": int or null}},

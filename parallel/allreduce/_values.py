@@ -26,17 +26,7 @@ class ValueKind(enum.Enum):
 
 def check_sync_key(sync_key: int) -> int:
     """The key as an int in [0, 2**64); `TypeError`/`ValueError` otherwise."""
-    if isinstance(sync_key, bool | np.bool_):
-        raise TypeError(f"sync_key must be an integer, got the bool {sync_key!r}.")
-    try:
-        key = operator.index(sync_key)
-    except TypeError as e:
-        raise TypeError(
-            f"sync_key must be an integer, got {type(sync_key).__name__} {sync_key!r}."
-        ) from e
-    if not 0 <= key <= UINT64_MAX:
-        raise ValueError(f"sync_key must be in [0, 2**64), got {key}.")
-    return key
+    return _in_uint64_range(sync_key, "sync_key must be an integer", "sync_key must be in")
 
 
 def as_bool(value: object) -> int:
@@ -51,19 +41,32 @@ def as_bool(value: object) -> int:
 
 def as_uint64(value: object) -> int:
     """An integer value in [0, 2**64); `TypeError`/`ValueError` otherwise."""
+    return _in_uint64_range(
+        value,
+        "all_reduce_uint64 needs an integer value",
+        "all_reduce_uint64 needs a value in",
+        bool_hint="; use all_reduce_bool for flags",
+    )
+
+
+def _in_uint64_range(
+    value: object, needs_integer: str, needs_range: str, bool_hint: str = ""
+) -> int:
+    """`value` as an int in [0, 2**64).
+
+    Raises:
+      TypeError: `value` is a bool (`"{needs_integer}, got the bool ...{bool_hint}."`)
+        or not an integer (`"{needs_integer}, got <type> ..."`).
+      ValueError: `value` is out of range (`"{needs_range} [0, 2**64), got ..."`).
+    """
     if isinstance(value, bool | np.bool_):
-        raise TypeError(
-            f"all_reduce_uint64 needs an integer value, got the bool {value!r}; "
-            "use all_reduce_bool for flags."
-        )
+        raise TypeError(f"{needs_integer}, got the bool {value!r}{bool_hint}.")
     try:
         number = operator.index(value)
     except TypeError as e:
-        raise TypeError(
-            f"all_reduce_uint64 needs an integer value, got {type(value).__name__} {value!r}."
-        ) from e
+        raise TypeError(f"{needs_integer}, got {type(value).__name__} {value!r}.") from e
     if not 0 <= number <= UINT64_MAX:
-        raise ValueError(f"all_reduce_uint64 needs a value in [0, 2**64), got {number}.")
+        raise ValueError(f"{needs_range} [0, 2**64), got {number}.")
     return number
 
 

@@ -56,6 +56,7 @@ so with them the TC stage receives and returns per-feature arrays
 (`float32[global_batch, embedding_dim]` by feature) and needs no wrapping.
 """
 
+from parallel.sc_tc import _types
 from parallel.sc_tc._adapter import unstacked_tc_function
 from parallel.sc_tc._drivers import host_driven_step, jit_step
 from parallel.sc_tc._state import (
@@ -65,24 +66,10 @@ from parallel.sc_tc._state import (
     is_output_valid,
 )
 from parallel.sc_tc._step import step
-from parallel.sc_tc._types import (
-    CurrentStepInput,
-    LastStepInput,
-    PipelineState,
-    ScBwdStageFun,
-    ScFwdStageFun,
-    StepBeforeLastStepInput,
-    TcStageFun,
-)
+from parallel.sc_tc._types import *  # noqa: F403 - the stage and state types its __all__ lists
 
 __all__ = [
-    "CurrentStepInput",
-    "LastStepInput",
-    "PipelineState",
-    "ScBwdStageFun",
-    "ScFwdStageFun",
-    "StepBeforeLastStepInput",
-    "TcStageFun",
+    *_types.__all__,
     "get_initial_state",
     "get_pipeline_state_sharding",
     "get_pipeline_train_steps",

@@ -76,21 +76,41 @@ def get_pipeline_state_sharding(
     """
     if sc_fwd_aux_sharding is None:
         sc_fwd_aux_sharding = dense_input_sharding
-    return pipeline_state_cls(
-        pipeline_step=None,
-        last_step_inputs=LastStepInput(
+    return _placeholder_state(
+        pipeline_state_cls,
+        None,
+        LastStepInput(
             sparse_inputs=sparse_input_sharding,
             embedding_activations=sparse_input_sharding,
             dense_inputs=dense_input_sharding,
             sc_fwd_aux=sc_fwd_aux_sharding,
         ),
-        step_before_last_step_inputs=StepBeforeLastStepInput(
-            sparse_inputs=sparse_input_sharding,
-            embedding_gradients=sparse_input_sharding,
-            tc_aux=tc_aux_sharding,
-        ),
-        placeholder_output=pipeline_output_sharding,
-        placeholder_tc_aux=tc_aux_sharding,
+        sparse_input_sharding,
+        tc_aux_sharding,
+        pipeline_output_sharding,
+    )
+
+
+def _placeholder_state(
+    pipeline_state_cls: Callable[..., PipelineState],
+    pipeline_step: Any,
+    last_step_inputs: LastStepInput,
+    embedding_gradients: Any,
+    tc_aux: Any,
+    placeholder_output: Any,
+) -> PipelineState:
+    """A state as the initial one is laid out: batch i-2 has batch i-1's sparse
+    inputs, and the placeholder TC aux is batch i-2's `tc_aux` (the initial
+    state and its shardings are built alike, leaf for leaf)."""
+    before_last = StepBeforeLastStepInput(
+        last_step_inputs.sparse_inputs, embedding_gradients, tc_aux
+    )
+    return pipeline_state_cls(
+        pipeline_step=pipeline_step,
+        last_step_inputs=last_step_inputs,
+        step_before_last_step_inputs=before_last,
+        placeholder_output=placeholder_output,
+        placeholder_tc_aux=tc_aux,
     )
 
 
@@ -153,21 +173,18 @@ def get_initial_state(
         lambda *args: _run_tc(traceable, *args), activations, dense, tc_train_state, sc_fwd_aux
     )
     _check_train_state(tc_train_state, tc.train_state)
-    state = PipelineState(
-        pipeline_step=jax.ShapeDtypeStruct((), jnp.int32),
-        last_step_inputs=LastStepInput(
+    state = _placeholder_state(
+        PipelineState,
+        jax.ShapeDtypeStruct((), jnp.int32),
+        LastStepInput(
             sparse_inputs=sparse,
             embedding_activations=activations,
             dense_inputs=dense,
             sc_fwd_aux=sc_fwd_aux,
         ),
-        step_before_last_step_inputs=StepBeforeLastStepInput(
-            sparse_inputs=sparse,
-            embedding_gradients=_abstract(tc.embedding_gradients, sparse_input_sharding),
-            tc_aux=_abstract(tc.tc_aux, aux_sharding),
-        ),
-        placeholder_output=_abstract(tc.output, None),
-        placeholder_tc_aux=_abstract(tc.tc_aux, aux_sharding),
+        _abstract(tc.embedding_gradients, sparse_input_sharding),
+        _abstract(tc.tc_aux, aux_sharding),
+        _abstract(tc.output, None),
     )
     return _zeros(state)
 

@@ -20,6 +20,16 @@ from __future__ import annotations
 
 from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar
 
+__all__ = [
+    "CurrentStepInput",
+    "LastStepInput",
+    "PipelineState",
+    "ScBwdStageFun",
+    "ScFwdStageFun",
+    "StepBeforeLastStepInput",
+    "TcStageFun",
+]
+
 _SparseInput = TypeVar("_SparseInput")
 _DenseInput = TypeVar("_DenseInput")
 _EmbeddingActivations = TypeVar("_EmbeddingActivations")
@@ -200,13 +210,5 @@ class PipelineState(
     placeholder_tc_aux: _TcAux
 
 
-AnyPipelineState: TypeAlias = PipelineState[
-    _SparseInput,
-    _DenseInput,
-    _EmbeddingActivations,
-    _EmbeddingGradients,
-    _TcAux,
-    _ScFwdAux,
-    _PipelineOutput,
-]
-"""`PipelineState` over the module's type variables, to spell it once."""
+AnyPipelineState: TypeAlias = PipelineState[PipelineState.__parameters__]
+"""`PipelineState` over its own type variables (the module's), to spell them once."""

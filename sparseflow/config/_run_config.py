@@ -108,12 +108,6 @@ class RunConfig:
         without recomputing the stats. Which record key a feature reads, and
         whether its ids are hashed, count too.
         """
-        geometry = embedding.FdoGeometry(
-            global_batch_size=self.global_batch_size,
-            devices=self.mesh.devices,
-            partitions_per_device=self.mesh.partitions_per_device,
-            processes=self.mesh.processes,
-        )
         p = self.preprocessing
         extra = {
             "preprocessing.allow_id_dropping": p.allow_id_dropping,
@@ -125,7 +119,17 @@ class RunConfig:
         for column in self.layout.schema.sparse:
             if column.key != column.name or column.ids is not pipelines.IdType.INT64:
                 extra[f"features.{column.name}.record"] = f"{column.key} ({column.ids.value})"
-        return embedding.fdo_layout(self.feature_specs, geometry, extra=extra)
+        return embedding.fdo_layout(self.feature_specs, self.fdo_geometry, extra=extra)
+
+    @property
+    def fdo_geometry(self) -> embedding.FdoGeometry:
+        """The batch geometry of this run's mesh and global batch, as FDO stats record it."""
+        return embedding.FdoGeometry(
+            global_batch_size=self.global_batch_size,
+            devices=self.mesh.devices,
+            partitions_per_device=self.mesh.partitions_per_device,
+            processes=self.mesh.processes,
+        )
 
 
 _REQUIRED_KEYS = ("name", "seed", "mesh", "global_batch_size", "tables", "features", "dataset")
