@@ -14,7 +14,7 @@ stage runs the model with the layer given those activations
 (the dense parameters, kept in `TrainState.params` as an `nnx.State`) and
 the activations. The layer's own tables are never materialized here: the
 model is built abstractly (`nnx.eval_shape`), and its dense parameters by a
-compiled program whose table initializers XLA drops as unused.
+compiled program of their initializers alone (the layer in it stays abstract).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class NnxModel:
 
     Attributes:
       name: `model.module`, for messages.
-      build: `(key) -> model`: the model over a fresh `Embed` layer.
+      build: `(key) -> model`: the model over a fresh `Embed` layer, abstract
+        (its tables and slots shapes and dtypes only).
       loss: `(outputs, labels) -> float32[]`.
       graphdef: the model's graph.
       embedding_state: the layer's tables, slots and step, abstract (never read).
@@ -119,8 +120,13 @@ class NnxModel:
             module = f"{model_class.__module__}:{model_class.__qualname__}"
 
         def build(key: jax.Array) -> nnx.Module:
-            embed = enx.Embed(
-                feature_specs, mesh, num_sc_per_device=num_sc_per_device, rngs=nnx.Rngs(key)
+            # The layer abstract: the trainer holds the tables, and tracing
+            # their initializers (26 tables of the Criteo config) made up most
+            # of a run's set-up, although XLA dropped them from the program.
+            embed = nnx.eval_shape(
+                lambda: enx.Embed(
+                    feature_specs, mesh, num_sc_per_device=num_sc_per_device, rngs=nnx.Rngs(0)
+                )
             )
             try:
                 model = model_class(embed, num_dense_features, rngs=nnx.Rngs(key), **args)
