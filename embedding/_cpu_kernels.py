@@ -11,7 +11,8 @@ received rows (`benchmarks/lookup.py` measures the difference):
   the distinct rows and the rows to request from each device;
 * `pool` and its transpose: gain times row, summed per sample (and back);
 * `apply_update`: the owner merges the sorted runs of rows it received and
-  applies SGD, Adagrad or row-wise Adagrad once per row, in place;
+  applies SGD, Adagrad, row-wise Adagrad, LaProp, Adagrad with momentum or
+  F2A once per row, in place;
 * `pairwise_dots` and its transpose: the DLRM interaction of a batch's
   activations (`_interaction.py`).
 
@@ -71,7 +72,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from embedding._optimizers import (
+    AdagradMomentumOptimizerSpec,
     AdagradOptimizerSpec,
+    F2AOptimizerSpec,
+    LaPropOptimizerSpec,
     OptimizerSpec,
     RowWiseAdagradOptimizerSpec,
     SGDOptimizerSpec,
@@ -91,6 +95,9 @@ _TARGETS = {
     "SfUpdateSgd": "sparseflow_update_sgd",
     "SfUpdateAdagrad": "sparseflow_update_adagrad",
     "SfUpdateRowWiseAdagrad": "sparseflow_update_rowwise_adagrad",
+    "SfUpdateLaProp": "sparseflow_update_laprop",
+    "SfUpdateAdagradMomentum": "sparseflow_update_adagrad_momentum",
+    "SfUpdateF2A": "sparseflow_update_f2a",
     "SfPairwiseDots": "sparseflow_pairwise_dots",
     "SfPairwiseDotsTranspose": "sparseflow_pairwise_dots_transpose",
 }
@@ -98,7 +105,13 @@ _UPDATE_TARGETS = {
     SGDOptimizerSpec: "sparseflow_update_sgd",
     AdagradOptimizerSpec: "sparseflow_update_adagrad",
     RowWiseAdagradOptimizerSpec: "sparseflow_update_rowwise_adagrad",
+    LaPropOptimizerSpec: "sparseflow_update_laprop",
+    AdagradMomentumOptimizerSpec: "sparseflow_update_adagrad_momentum",
+    F2AOptimizerSpec: "sparseflow_update_f2a",
 }
+# The rules that read the learning rate alone; the others read all of the
+# spec's `get_hyperparameters(step)`, as `_optimizer_updates` passes them.
+_LEARNING_RATE_ONLY = (SGDOptimizerSpec, AdagradOptimizerSpec, RowWiseAdagradOptimizerSpec)
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 _PREFIX = "_cpu_kernels-"
 
@@ -412,6 +425,15 @@ def _pool_backward(num_samples, residuals, grads):
 pool.defvjp(_pool_forward, _pool_backward)
 
 
+def _hyperparameters(optimizer: OptimizerSpec, learning_rate, step) -> jax.Array:
+    """`float32[k]`: the scalars the kernel's rule reads (a bool as 0 or 1)."""
+    if isinstance(optimizer, _LEARNING_RATE_ONLY):
+        values = (learning_rate,)
+    else:
+        values = optimizer.get_hyperparameters(step)
+    return jnp.stack([jnp.asarray(value, jnp.float32) for value in values])
+
+
 def apply_update(
     optimizer: OptimizerSpec,
     received_rows: jax.Array,
@@ -419,12 +441,13 @@ def apply_update(
     table: jax.Array,
     slots,
     learning_rate: jax.Array,
+    step: jax.Array,
     g,
 ):
     """Merges the received gradients per row and applies `optimizer` in place.
 
     Args:
-      optimizer: SGD, Adagrad or row-wise Adagrad (`updates_in_kernel`).
+      optimizer: one with a kernel (`updates_in_kernel`).
       received_rows: `int32[S, G, U]`, as the all-to-all received them: runs
         of U shard rows, one per slot and source device, each ascending and
         padded with `S * R`.
@@ -432,6 +455,8 @@ def apply_update(
       table: `float32[S * R, D]`, this device's shard (donated).
       slots: the optimizer's slots of the shard (donated).
       learning_rate: scalar.
+      step: scalar, the training step (the rules with a bias correction or
+        a frequency boost read it through `get_hyperparameters`).
       g: the stack's geometry.
 
     Returns:
@@ -445,7 +470,7 @@ def apply_update(
         tuple(_result(x.shape, x.dtype, x) for x in state),
         input_output_aliases={3 + i: i for i in range(len(state))},
     )(
-        jnp.asarray(learning_rate, jnp.float32).reshape(1),
+        _hyperparameters(optimizer, learning_rate, step),
         starts,
         dims,
         *state,

@@ -113,6 +113,7 @@ class KernelPath:
             variables.table,
             variables.slots,
             update.learning_rate,
+            update.step,
             g,
         )
         return EmbeddingVariables(table, slots)

@@ -54,40 +54,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPoolTranspose, PoolTranspose,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets());
 
-// The operands every update starts with: learning rate, the stack's table
-// starts and dims, and the table.
-static auto UpdateBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>();
-}
-
-// Then the received rows' and gradients' pieces.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SfUpdateSgd, UpdateSgd,
-                              UpdateBinding()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("slots")
-                                  .Attr<int64_t>("rows_per_partition")
-                                  .Attr<float>("epsilon"));
-
-// With a slot: one more operand (the slot, before the pieces) and one more result.
-#define SF_UPDATE_WITH_SLOT_HANDLER(name, rule)                         \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, UpdateWithSlot<rule>,             \
-                                UpdateBinding()                         \
+// Every update: the hyperparameters, the stack's table starts and dims and
+// the table; then the rule's slots and the received rows' and gradients'
+// pieces. The results are the table and the slots.
+#define SF_UPDATE_HANDLER(name, rule)                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, Update<rule>,                     \
+                                ffi::Ffi::Bind()                        \
+                                    .Ctx<ffi::ThreadPool>()             \
+                                    .Arg<ffi::Buffer<ffi::F32>>()       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()       \
                                     .Arg<ffi::Buffer<ffi::F32>>()       \
                                     .RemainingArgs()                    \
                                     .Ret<ffi::Buffer<ffi::F32>>()       \
-                                    .Ret<ffi::Buffer<ffi::F32>>()       \
+                                    .RemainingRets()                    \
                                     .Attr<int64_t>("slots")             \
                                     .Attr<int64_t>("rows_per_partition") \
                                     .Attr<float>("epsilon"));
 
-SF_UPDATE_WITH_SLOT_HANDLER(SfUpdateAdagrad, Rule::kAdagrad)
-SF_UPDATE_WITH_SLOT_HANDLER(SfUpdateRowWiseAdagrad, Rule::kRowWiseAdagrad)
+SF_UPDATE_HANDLER(SfUpdateSgd, Rule::kSgd)
+SF_UPDATE_HANDLER(SfUpdateAdagrad, Rule::kAdagrad)
+SF_UPDATE_HANDLER(SfUpdateRowWiseAdagrad, Rule::kRowWiseAdagrad)
+SF_UPDATE_HANDLER(SfUpdateLaProp, Rule::kLaProp)
+SF_UPDATE_HANDLER(SfUpdateAdagradMomentum, Rule::kAdagradMomentum)
+SF_UPDATE_HANDLER(SfUpdateF2A, Rule::kF2A)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPairwiseDots, PairwiseDots,
                               ffi::Ffi::Bind()

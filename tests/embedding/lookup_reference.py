@@ -29,6 +29,40 @@ TABLES = {"a": (300, 8), "b": (200, 5), "c": (100, 8)}
 FEATURE_TABLES = {"a1": "a", "a2": "a", "b1": "b", "c1": "c"}
 
 
+# jax-tpu-embedding's optimizers whose rules read the step (through
+# `get_hyperparameters`): LaProp's bias correction, Adagrad with momentum
+# (plain, and Nesterov's with a decayed accumulator and exponent 3) and F2A's
+# frequency boost.
+JTE_OPTIMIZERS = {
+    "laprop": embedding.LaPropOptimizerSpec(
+        learning_rate=lambda step: 0.05 / (1.0 + step), b1=0.8, b2=0.9, eps=1e-6
+    ),
+    "adagrad_momentum": embedding.AdagradMomentumOptimizerSpec(
+        learning_rate=lambda step: 0.2 * 0.5**step, momentum=0.8, initial_accumulator_value=0.3
+    ),
+    "adagrad_momentum_nesterov": embedding.AdagradMomentumOptimizerSpec(
+        learning_rate=0.1,
+        momentum=0.7,
+        beta2=0.9,
+        epsilon=1e-3,
+        exponent=3.0,
+        use_nesterov=True,
+        initial_accumulator_value=0.2,
+        initial_momentum_value=0.05,
+    ),
+    # Over three steps a row first updated at step 2 gets the boost
+    # sqrt(2 / 1), capped at 1.2; rows updated twice get 1 or less.
+    "f2a": embedding.F2AOptimizerSpec(
+        learning_rate=lambda step: 0.3 / (1.0 + step),
+        rho=0.5,
+        initial_accumulator_value=0.2,
+        l1_regularization_strength=0.01,
+        l2_regularization_strength=0.02,
+        max_lr_multiplier=1.2,
+    ),
+}
+
+
 def default_limit(devices: int, slots: int) -> int:
     """Room for the case's busiest partition; small, to keep buffers small."""
     return max(32, 256 // (devices * slots))
@@ -111,6 +145,31 @@ def make_batch(seed: int) -> Batch:
             row_weights.append(rng.uniform(0.5, 2.0, count).astype(np.float32))
         ids[feature], weights[feature] = rows, row_weights
     return Batch(ids, weights)
+
+
+def gather_all(variables, specs, mesh, slots) -> tuple[dict, dict]:
+    """(`{table: float64[vocab, dim]}`, `{table: {slot: float64[vocab, dim] or [vocab]}}`)."""
+
+    def gather(stacks):
+        logical = embedding.gather_tables(stacks, specs, mesh, num_sc_per_device=slots)
+        return {k: v.astype(np.float64) for k, v in logical.items()}
+
+    tables = gather({name: v.table for name, v in variables.items()})
+    slot_values = {table: {} for table in tables}
+    for name, v in variables.items():
+        for slot, values in v.slots._asdict().items():
+            for table, logical in gather({name: values}).items():
+                slot_values[table][slot] = logical
+    return tables, slot_values
+
+
+def activation_grads(seed: int, *, positive: bool = False) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    grads = {
+        f: rng.normal(size=(BATCH, TABLES[t][1])).astype(np.float32)
+        for f, t in FEATURE_TABLES.items()
+    }
+    return {f: np.abs(g) for f, g in grads.items()} if positive else grads
 
 
 def preprocess(batch: Batch, specs, devices: int, slots: int, **kwargs):

@@ -16,6 +16,16 @@ import jaxlib
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from lookup_reference import (
+    JTE_OPTIMIZERS,
+    TABLES,
+    activation_grads,
+    feature_specs,
+    gather_all,
+    make_batch,
+    mesh_of,
+    preprocess,
+)
 
 import embedding
 from embedding import _cpu_kernels
@@ -417,6 +427,7 @@ def test_update_merges_runs_in_run_order(rows, uniques, runs, dim, optimizer):
             t,
             s,
             lr,
+            0,
             g,
         )
     )(jnp.asarray(table), jax.tree.map(jnp.asarray, slots))
@@ -530,7 +541,9 @@ def test_a_table_made_again_at_a_freed_address_gets_huge_pages(monkeypatch):
     received = jnp.arange(uniques, dtype=jnp.int32).reshape(1, 1, uniques)
     grads = jnp.ones((1, 1, uniques, dim), jnp.float32)
     update = jax.jit(
-        lambda t: _cpu_kernels.apply_update(g.optimizer, received, grads, t, SGDSlots(), 0.5, g)[0],
+        lambda t: _cpu_kernels.apply_update(g.optimizer, received, grads, t, SGDSlots(), 0.5, 0, g)[
+            0
+        ],
         donate_argnums=0,
     )
     addresses, huge = [], []
@@ -545,3 +558,61 @@ def test_a_table_made_again_at_a_freed_address_gets_huge_pages(monkeypatch):
     if len(set(addresses)) == len(addresses):
         pytest.skip("no table was made at a freed table's address")
     assert None not in huge and min(huge) > 0, f"AnonHugePages (KiB) by table: {huge}"
+
+
+# Besides `JTE_OPTIMIZERS` (F2A's capped, on whole update counts, which the
+# kernel looks up), F2A uncapped on counts it computes.
+_STEP_RULES = {
+    **JTE_OPTIMIZERS,
+    "f2a_uncapped": embedding.F2AOptimizerSpec(
+        learning_rate=0.1, rho=0.7, initial_accumulator_value=0.3, initial_local_step_value=0.5
+    ),
+}
+
+
+def _train(monkeypatch, kernels: bool, optimizer, devices: int, slots: int, steps: int):
+    """The gathered tables and slots after `steps` updates of fresh
+    variables, on the kernels or on the pure-JAX path; the batches repeat
+    hot ids within and across samples and devices."""
+    monkeypatch.setenv("SPARSEFLOW_CPU_KERNELS", "1" if kernels else "0")
+    assert _cpu_kernels.enabled("cpu") == kernels
+    specs, mesh = feature_specs("sum", optimizer, devices, slots), mesh_of(devices)
+    variables = jax.block_until_ready(
+        embedding.init_embedding_variables(jax.random.key(4), specs, mesh, num_sc_per_device=slots)
+    )
+    for step in range(steps):
+        preprocessed = preprocess(make_batch(30 + step), specs, devices, slots)
+        variables = jax.block_until_ready(
+            embedding.apply_gradients(
+                activation_grads(step, positive=True), preprocessed, variables, specs, mesh, step
+            )
+        )
+    return gather_all(variables, specs, mesh, slots)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize(("devices", "slots"), [(1, 1), (2, 2)])
+@pytest.mark.parametrize("optimizer", list(_STEP_RULES))
+def test_step_rules_in_the_kernel_match_the_pure_jax_update(optimizer, devices, slots, monkeypatch):
+    """Four steps (bias correction, momentum and update counts carry over)
+    on the kernels and on the pure-JAX update, table and every slot.
+
+    Both are float32 and differ only in rounding: the kernel sums a row's
+    gradients in run order and XLA in its scatter's, the kernel fuses
+    multiplies and adds (`_cpu_kernels`), and its roots and powers are the C
+    library's. A few ulp a step, compounded over four steps (LaProp's
+    g / sqrt(nu) carries a gradient's relative error into its slot): rtol
+    1e-5. Gradients are >= 0, so that no row's sum cancels into a relative
+    error of its own; atol admits weights an update brings near 0.
+    """
+    spec = _STEP_RULES[optimizer]
+    assert _cpu_kernels.updates_in_kernel(spec)
+    kernel, reference = (
+        _train(monkeypatch, kernels, spec, devices, slots, steps=4) for kernels in (True, False)
+    )
+    for table in TABLES:
+        np.testing.assert_allclose(kernel[0][table], reference[0][table], rtol=1e-5, atol=1e-6)
+        for name, values in reference[1][table].items():
+            np.testing.assert_allclose(
+                kernel[1][table][name], values, rtol=1e-5, atol=1e-6, err_msg=name
+            )

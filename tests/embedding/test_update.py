@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from lookup_reference import (
-    BATCH,
-    FEATURE_TABLES,
+    JTE_OPTIMIZERS,
     TABLES,
+    activation_grads,
     activations,
     apply_update,
     feature_specs,
+    gather_all,
     make_batch,
     mesh_of,
     preprocess,
@@ -56,64 +57,14 @@ OPTIMIZERS = {
         initial_accumulator_value=0.4,
         multiply_linear_by_learning_rate=True,
     ),
-    "laprop": embedding.LaPropOptimizerSpec(
-        learning_rate=lambda step: 0.05 / (1.0 + step), b1=0.8, b2=0.9, eps=1e-6
-    ),
-    "adagrad_momentum": embedding.AdagradMomentumOptimizerSpec(
-        learning_rate=lambda step: 0.2 * 0.5**step, momentum=0.8, initial_accumulator_value=0.3
-    ),
-    "adagrad_momentum_nesterov": embedding.AdagradMomentumOptimizerSpec(
-        learning_rate=0.1,
-        momentum=0.7,
-        beta2=0.9,
-        epsilon=1e-3,
-        exponent=3.0,
-        use_nesterov=True,
-        initial_accumulator_value=0.2,
-        initial_momentum_value=0.05,
-    ),
     "rowwise_adam": embedding.RowWiseAdamOptimizerSpec(
         learning_rate=lambda step: 0.05 / (1.0 + step), beta_1=0.8, beta_2=0.9, epsilon=1e-3
     ),
     "rowwise_adam_decay": embedding.RowWiseAdamOptimizerSpec(
         learning_rate=0.02, epsilon=1e-6, weight_decay=0.1
     ),
-    # Over three steps a row first updated at step 2 gets the boost
-    # sqrt(2 / 1), capped at 1.2; rows updated twice get 1 or less.
-    "f2a": embedding.F2AOptimizerSpec(
-        learning_rate=lambda step: 0.3 / (1.0 + step),
-        rho=0.5,
-        initial_accumulator_value=0.2,
-        l1_regularization_strength=0.01,
-        l2_regularization_strength=0.02,
-        max_lr_multiplier=1.2,
-    ),
+    **JTE_OPTIMIZERS,
 }
-
-
-def _gather_all(variables, specs, mesh, slots) -> tuple[dict, dict]:
-    """(`{table: float64[vocab, dim]}`, `{table: {slot: float64[vocab, dim] or [vocab]}}`)."""
-
-    def gather(stacks):
-        logical = embedding.gather_tables(stacks, specs, mesh, num_sc_per_device=slots)
-        return {k: v.astype(np.float64) for k, v in logical.items()}
-
-    tables = gather({name: v.table for name, v in variables.items()})
-    slot_values = {table: {} for table in tables}
-    for name, v in variables.items():
-        for slot, values in v.slots._asdict().items():
-            for table, logical in gather({name: values}).items():
-                slot_values[table][slot] = logical
-    return tables, slot_values
-
-
-def _activation_grads(seed: int, *, positive: bool = False) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    grads = {
-        f: rng.normal(size=(BATCH, TABLES[t][1])).astype(np.float32)
-        for f, t in FEATURE_TABLES.items()
-    }
-    return {f: np.abs(g) for f, g in grads.items()} if positive else grads
 
 
 def _run_steps(
@@ -129,13 +80,13 @@ def _run_steps(
     variables = jax.block_until_ready(
         embedding.init_embedding_variables(jax.random.key(1), specs, mesh, num_sc_per_device=slots)
     )
-    before = _gather_all(variables, specs, mesh, slots)
+    before = gather_all(variables, specs, mesh, slots)
     tables = {k: v.copy() for k, v in before[0].items()}
     slot_values = {t: {n: v.copy() for n, v in s.items()} for t, s in before[1].items()}
     batches = []
     for step in range(steps):
         batch = make_batch(10 + step)
-        grads = _activation_grads(step, positive=positive)
+        grads = activation_grads(step, positive=positive)
         variables = jax.block_until_ready(
             embedding.apply_gradients(
                 grads, preprocess(batch, specs, devices, slots), variables, specs, mesh, step
@@ -143,7 +94,7 @@ def _run_steps(
         )
         apply_update(optimizers, tables, slot_values, row_gradients(batch, combiner, grads), step)
         batches.append(batch)
-    after = _gather_all(variables, specs, mesh, slots)
+    after = gather_all(variables, specs, mesh, slots)
     return before, after, (tables, slot_values), batches
 
 
@@ -156,7 +107,7 @@ def _assert_close(actual, expected) -> None:
 
 
 # The optimizers whose owner update has a CPU kernel (`_cpu_kernels`).
-_KERNEL_UPDATES = ("sgd", "adagrad", "rowwise_adagrad")
+_KERNEL_UPDATES = ("sgd", "adagrad", "rowwise_adagrad", "laprop", "adagrad_momentum", "f2a")
 
 # Each case runs two optimizers (one per stack) on one geometry, so that every
 # optimizer and every device count is covered by few compilations.
@@ -224,7 +175,7 @@ def test_optimizers_match_reference(a, bc, combiner, devices, slots, run):
 def test_minibatched_update_equals_single_pass():
     optimizer = OPTIMIZERS["adagrad"]
     mesh = mesh_of(2)
-    batch, grads = make_batch(3), _activation_grads(3)
+    batch, grads = make_batch(3), activation_grads(3)
     single = feature_specs("sum", optimizer, 2, 2)
     results = []
     for specs, minibatching in (
@@ -247,7 +198,7 @@ def test_minibatched_update_equals_single_pass():
                 enable_minibatching=minibatching,
             )
         )
-        results.append(_gather_all(variables, specs, mesh, 2))
+        results.append(gather_all(variables, specs, mesh, 2))
     assert (preprocessed.num_minibatches > 1).all()
     for table in TABLES:
         _assert_close(results[1][0][table], results[0][0][table])
@@ -270,7 +221,7 @@ def test_update_is_in_place(minibatching):
     preprocessed = preprocess(
         make_batch(0), specs, devices, slots, enable_minibatching=minibatching
     )
-    grads = _activation_grads(0)
+    grads = activation_grads(0)
     step = jax.jit(
         lambda v: embedding.apply_gradients(
             grads, preprocessed, v, specs, mesh, 0, enable_minibatching=minibatching
@@ -296,7 +247,7 @@ def test_fifty_steps_back_to_back_match_reference():
     variables = jax.block_until_ready(
         embedding.init_embedding_variables(jax.random.key(2), specs, mesh, num_sc_per_device=slots)
     )
-    tables, slot_values = _gather_all(variables, specs, mesh, slots)
+    tables, slot_values = gather_all(variables, specs, mesh, slots)
     batches = [make_batch(20 + i) for i in range(3)]
     inputs = [preprocess(b, specs, devices, slots) for b in batches]
 
@@ -313,7 +264,7 @@ def test_fifty_steps_back_to_back_match_reference():
         apply_update(
             optimizers, tables, slot_values, row_gradients(batches[i], combiner, grads), step
         )
-    after, _ = _gather_all(variables, specs, mesh, slots)
+    after, _ = gather_all(variables, specs, mesh, slots)
     for table in TABLES:
         np.testing.assert_allclose(after[table], tables[table], rtol=1e-4, atol=1e-5)
 
@@ -323,7 +274,7 @@ def test_gradient_of_the_wrong_shape_is_rejected():
     variables = jax.block_until_ready(
         embedding.init_embedding_variables(jax.random.key(0), specs, mesh, num_sc_per_device=2)
     )
-    grads = _activation_grads(0)
+    grads = activation_grads(0)
     grads["b1"] = grads["b1"][:, :4]
     with pytest.raises(ValueError, match=r"Feature 'b1'.*\[32, 4\].*\[32, 5\]"):
         embedding.apply_gradients(
@@ -339,7 +290,7 @@ def test_update_with_the_forwards_layout_index_is_bitwise_the_same(minibatching)
     optimizer = OPTIMIZERS["ftrl"]
     specs = feature_specs("sum", optimizer, devices, slots, limit=8 if minibatching else None)
     mesh = mesh_of(devices)
-    batch, grads = make_batch(5), _activation_grads(5)
+    batch, grads = make_batch(5), activation_grads(5)
     preprocessed = preprocess(batch, specs, devices, slots, enable_minibatching=minibatching)
     if minibatching:
         assert (preprocessed.num_minibatches > 1).all()
@@ -370,7 +321,7 @@ def test_update_with_the_forwards_layout_index_is_bitwise_the_same(minibatching)
                 layout_index=index if with_index else None,
             )
         )
-        results.append(_gather_all(variables, specs, mesh, slots))
+        results.append(gather_all(variables, specs, mesh, slots))
     (tables, slot_values), (tables_index, slot_values_index) = results
     for table in TABLES:
         np.testing.assert_array_equal(tables_index[table], tables[table])
@@ -397,22 +348,19 @@ def test_layout_index_of_another_geometry_is_rejected():
         match=rf"layout_index.segments has shape \[{rows}, 8\], expected \[{rows}, {width}\]",
     ):
         embedding.apply_gradients(
-            _activation_grads(0), preprocessed, variables, specs, mesh, 0, layout_index=cut
+            activation_grads(0), preprocessed, variables, specs, mesh, 0, layout_index=cut
         )
     with pytest.raises(TypeError, match="layout_index must be the LayoutIndex"):
         embedding.apply_gradients(
-            _activation_grads(0), preprocessed, variables, specs, mesh, 0, layout_index=(1, 2)
+            activation_grads(0), preprocessed, variables, specs, mesh, 0, layout_index=(1, 2)
         )
 
 
-@pytest.mark.parametrize(
-    "optimizer", ["sgd", "adagrad", "rowwise_adagrad", "laprop", "adagrad_momentum", "f2a"]
-)
+@pytest.mark.parametrize("optimizer", [*_KERNEL_UPDATES, "adam"])
 def test_update_runs_in_the_kernel_in_place(optimizer, lookup_path):
-    """On the kernel path the owner's merge and update of SGD, Adagrad and
-    row-wise Adagrad is one custom call per stack, its table and slot aliased
-    to the outputs; on the other path, and for the optimizers without a
-    kernel on both, none (they run the pure-JAX update, in place too)."""
+    """On the kernel path the owner's merge and update of an optimizer with
+    a kernel is one custom call per stack, its table and slots aliased to the
+    outputs; on the other path none (the pure-JAX update runs, in place too)."""
     devices, slots = 2, 2
     specs, mesh = feature_specs("sum", OPTIMIZERS[optimizer], devices, slots), mesh_of(devices)
     variables = jax.eval_shape(
@@ -420,7 +368,7 @@ def test_update_runs_in_the_kernel_in_place(optimizer, lookup_path):
         jax.random.key(0),
     )
     preprocessed = preprocess(make_batch(0), specs, devices, slots)
-    grads = _activation_grads(0)
+    grads = activation_grads(0)
     step = jax.jit(
         lambda v: embedding.apply_gradients(grads, preprocessed, v, specs, mesh, 0),
         donate_argnums=0,
