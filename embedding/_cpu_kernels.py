@@ -78,6 +78,7 @@ from embedding._optimizers import (
     LaPropOptimizerSpec,
     OptimizerSpec,
     RowWiseAdagradOptimizerSpec,
+    RowWiseAdamOptimizerSpec,
     SGDOptimizerSpec,
 )
 
@@ -98,6 +99,7 @@ _TARGETS = {
     "SfUpdateLaProp": "sparseflow_update_laprop",
     "SfUpdateAdagradMomentum": "sparseflow_update_adagrad_momentum",
     "SfUpdateF2A": "sparseflow_update_f2a",
+    "SfUpdateRowWiseAdam": "sparseflow_update_rowwise_adam",
     "SfPairwiseDots": "sparseflow_pairwise_dots",
     "SfPairwiseDotsTranspose": "sparseflow_pairwise_dots_transpose",
 }
@@ -108,6 +110,7 @@ _UPDATE_TARGETS = {
     LaPropOptimizerSpec: "sparseflow_update_laprop",
     AdagradMomentumOptimizerSpec: "sparseflow_update_adagrad_momentum",
     F2AOptimizerSpec: "sparseflow_update_f2a",
+    RowWiseAdamOptimizerSpec: "sparseflow_update_rowwise_adam",
 }
 # The rules that read the learning rate alone; the others read all of the
 # spec's `get_hyperparameters(step)`, as `_optimizer_updates` passes them.

@@ -78,6 +78,7 @@ SF_UPDATE_HANDLER(SfUpdateRowWiseAdagrad, Rule::kRowWiseAdagrad)
 SF_UPDATE_HANDLER(SfUpdateLaProp, Rule::kLaProp)
 SF_UPDATE_HANDLER(SfUpdateAdagradMomentum, Rule::kAdagradMomentum)
 SF_UPDATE_HANDLER(SfUpdateF2A, Rule::kF2A)
+SF_UPDATE_HANDLER(SfUpdateRowWiseAdam, Rule::kRowWiseAdam)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SfPairwiseDots, PairwiseDots,
                               ffi::Ffi::Bind()

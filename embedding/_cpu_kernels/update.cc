@@ -18,15 +18,16 @@ namespace {
 // were slower).
 constexpr int64_t kWindowRows = 4096;
 
-enum class Rule { kSgd, kAdagrad, kRowWiseAdagrad, kLaProp, kAdagradMomentum, kF2A };
+enum class Rule { kSgd, kAdagrad, kRowWiseAdagrad, kLaProp, kAdagradMomentum, kF2A, kRowWiseAdam };
 
 // Per rule, in Rule's order: how many slot variables it keeps (each a row
-// as wide as the table's per row, but row-wise Adagrad's one float per row)
+// as wide as the table's per row, but row-wise Adagrad's one float per row
+// and row-wise Adam's second)
 // and how many scalars it reads from the hyperparameters operand (the
 // learning rate, or all of the spec's `get_hyperparameters(step)` in its
 // order; _cpu_kernels.py).
-constexpr int64_t kSlotsOfRule[] = {0, 1, 1, 2, 2, 2};
-constexpr int64_t kHyperparametersOfRule[] = {1, 1, 1, 4, 6, 6};
+constexpr int64_t kSlotsOfRule[] = {0, 1, 1, 2, 2, 2, 2};
+constexpr int64_t kHyperparametersOfRule[] = {1, 1, 1, 4, 6, 6, 6};
 constexpr int64_t SlotsOf(Rule rule) { return kSlotsOfRule[static_cast<int>(rule)]; }
 constexpr int64_t HyperparametersOf(Rule rule) {
   return kHyperparametersOfRule[static_cast<int>(rule)];
@@ -156,6 +157,9 @@ struct RowUpdate {
   float* slot;
   float* second_slot;
   const F2ABoosts* boosts;
+  // Row-wise Adam's bias corrections 1 - beta^t of its two moments, the
+  // same for every row (two std::pow per row would cost more than the row).
+  float corrections[2] = {1.0f, 1.0f};
 
   int64_t width() const { return D ? D : dim; }
 
@@ -164,8 +168,11 @@ struct RowUpdate {
     if constexpr (rule == Rule::kAdagrad || SlotsOf(rule) == 2) {
       PrefetchRow<1>(slot + row * width(), width());
     }
-    if constexpr (SlotsOf(rule) == 2) PrefetchRow<1>(second_slot + row * width(), width());
+    if constexpr (SlotsOf(rule) == 2 && rule != Rule::kRowWiseAdam) {
+      PrefetchRow<1>(second_slot + row * width(), width());
+    }
     if constexpr (rule == Rule::kRowWiseAdagrad) __builtin_prefetch(slot + row, 1, 1);
+    if constexpr (rule == Rule::kRowWiseAdam) __builtin_prefetch(second_slot + row, 1, 1);
   }
 
   void Apply(int64_t row, const float* g) const {
@@ -187,22 +194,46 @@ struct RowUpdate {
                 std::sqrt(1.0f - h[1] * h[1]));
     } else if constexpr (rule == Rule::kAdagradMomentum) {
       AdagradMomentumRow(w, slot + row * n, second_slot + row * n, g, n, h);
+    } else if constexpr (rule == Rule::kRowWiseAdam) {
+      ApplyRowWiseAdam(row, w, g);
     } else {
       F2ARow(w, slot + row * n, second_slot + row * n, g, n, h, *boosts);
     }
   }
 
-  void ApplyRowWiseAdagrad(int64_t row, float* w, const float* g) const {
-    const int64_t n = width();
+  // The embedding dim of the table that holds `row` (the stack pads every
+  // table to its width).
+  float TableDim(int64_t row) const {
     int64_t t = 0;
     if (tables > 1) {
       const int64_t local = row % rows_per_partition;
       while (t + 1 < tables && local >= table_starts[t + 1]) ++t;
     }
-    const float accumulator = slot[row] + SumOfSquares(g, n) / static_cast<float>(table_dims[t]);
+    return static_cast<float>(table_dims[t]);
+  }
+
+  void ApplyRowWiseAdagrad(int64_t row, float* w, const float* g) const {
+    const int64_t n = width();
+    const float accumulator = slot[row] + SumOfSquares(g, n) / TableDim(row);
     slot[row] = accumulator;
     const float scale = h[0] / (std::sqrt(accumulator) + epsilon);
     for (int64_t d = 0; d < n; ++d) w[d] -= scale * g[d];
+  }
+
+  // Row-wise Adam's step (RowWiseAdamOptimizerSpec): the first moment per
+  // element in `slot`, the second per row in `second_slot`.
+  void ApplyRowWiseAdam(int64_t row, float* w, const float* g) const {
+    const int64_t n = width();
+    const float learning_rate = h[0], beta_1 = h[1], beta_2 = h[2], eps = h[3], decay = h[4];
+    const float velocity =
+        beta_2 * second_slot[row] + (1.0f - beta_2) * (SumOfSquares(g, n) / TableDim(row));
+    second_slot[row] = velocity;
+    const float denominator = std::sqrt(velocity / corrections[1]) + eps;
+    float* m = slot + row * n;
+    for (int64_t d = 0; d < n; ++d) {
+      m[d] = beta_1 * m[d] + (1.0f - beta_1) * g[d];
+      w[d] -= learning_rate * (m[d] / corrections[0] / denominator + decay * w[d]);
+    }
   }
 };
 
@@ -381,6 +412,11 @@ ffi::Error Apply(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& hyperparameters,
                               state.slots[1],
                               boosts.get()};
     std::copy_n(hyperparameters.typed_data(), HyperparametersOf(rule), update.h);
+    if constexpr (rule == Rule::kRowWiseAdam) {
+      const float t = update.h[5];
+      update.corrections[0] = 1.0f - std::pow(update.h[1], t);
+      update.corrections[1] = 1.0f - std::pow(update.h[2], t);
+    }
     ParallelFor(pool, chunks, [&](int64_t c) {
       auto [row_begin, row_end] = ChunkOf(c, state.rows, chunks);
       MergeAndApply<rule, D>(*rows, *grads, runs, row_begin, row_end, update);

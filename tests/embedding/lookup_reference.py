@@ -63,6 +63,17 @@ JTE_OPTIMIZERS = {
 }
 
 
+# Row-wise Adam with a learning-rate schedule, and with weight decay.
+ROWWISE_ADAM_OPTIMIZERS = {
+    "rowwise_adam": embedding.RowWiseAdamOptimizerSpec(
+        learning_rate=lambda step: 0.05 / (1.0 + step), beta_1=0.8, beta_2=0.9, epsilon=1e-3
+    ),
+    "rowwise_adam_decay": embedding.RowWiseAdamOptimizerSpec(
+        learning_rate=0.02, epsilon=1e-6, weight_decay=0.1
+    ),
+}
+
+
 def default_limit(devices: int, slots: int) -> int:
     """Room for the case's busiest partition; small, to keep buffers small."""
     return max(32, 256 // (devices * slots))

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import Mesh
 from lookup_reference import (
     JTE_OPTIMIZERS,
+    ROWWISE_ADAM_OPTIMIZERS,
     TABLES,
     activation_grads,
     feature_specs,
@@ -561,9 +562,10 @@ def test_a_table_made_again_at_a_freed_address_gets_huge_pages(monkeypatch):
 
 
 # Besides `JTE_OPTIMIZERS` (F2A's capped, on whole update counts, which the
-# kernel looks up), F2A uncapped on counts it computes.
+# kernel looks up) and row-wise Adam, F2A uncapped on counts it computes.
 _STEP_RULES = {
     **JTE_OPTIMIZERS,
+    **ROWWISE_ADAM_OPTIMIZERS,
     "f2a_uncapped": embedding.F2AOptimizerSpec(
         learning_rate=0.1, rho=0.7, initial_accumulator_value=0.3, initial_local_step_value=0.5
     ),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from lookup_reference import (
     JTE_OPTIMIZERS,
+    ROWWISE_ADAM_OPTIMIZERS,
     TABLES,
     activation_grads,
     activations,
@@ -57,12 +58,7 @@ OPTIMIZERS = {
         initial_accumulator_value=0.4,
         multiply_linear_by_learning_rate=True,
     ),
-    "rowwise_adam": embedding.RowWiseAdamOptimizerSpec(
-        learning_rate=lambda step: 0.05 / (1.0 + step), beta_1=0.8, beta_2=0.9, epsilon=1e-3
-    ),
-    "rowwise_adam_decay": embedding.RowWiseAdamOptimizerSpec(
-        learning_rate=0.02, epsilon=1e-6, weight_decay=0.1
-    ),
+    **ROWWISE_ADAM_OPTIMIZERS,
     **JTE_OPTIMIZERS,
 }
 
@@ -107,7 +103,15 @@ def _assert_close(actual, expected) -> None:
 
 
 # The optimizers whose owner update has a CPU kernel (`_cpu_kernels`).
-_KERNEL_UPDATES = ("sgd", "adagrad", "rowwise_adagrad", "laprop", "adagrad_momentum", "f2a")
+_KERNEL_UPDATES = (
+    "sgd",
+    "adagrad",
+    "rowwise_adagrad",
+    "laprop",
+    "adagrad_momentum",
+    "f2a",
+    "rowwise_adam",
+)
 
 # Each case runs two optimizers (one per stack) on one geometry, so that every
 # optimizer and every device count is covered by few compilations.
