@@ -19,11 +19,17 @@ gets its share (rounded up), and the stack's limit is their sum.
 Commands (the line protocol of `_line_protocol.py`):
   * `setup <optimizer>`: drops the previous optimizer's variables, lays out
     every batch (timed: `preprocess_ms`, one time per batch), creates the
-    variables and compiles and warms up the step. `rowwise_adagrad` needs
+    variables (timed: `init_s`, with the resident set before and its peak
+    during, `state_bytes` of tables and slots, `batch_bytes` of the laid-out
+    batches) and compiles and warms up the step. `rowwise_adagrad` needs
     `embedding.RowWiseAdagradOptimizerSpec`; without it setup answers
     `ok: false`.
   * `time <steps>`: runs `steps` steps over the batches in turn; answers
     `step_ms`, one time per step.
+  * `memory`: the resident set now and its peak since the last `memory` (or
+    the variables' creation), in bytes (`rss`, `peak_rss`).
+  * `checkpoint <folder>`: saves the variables with the trainer's own
+    checkpoints, drops them and restores them (`_checkpoint_times`).
   * `quit`.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
@@ -36,11 +42,14 @@ import argparse
 import functools
 import gc
 import time
+from pathlib import Path
 
+import _checkpoint_times
 import jax
 import numpy as np
 from _line_protocol import reply_stream, serve
 from _lookup_shape import OPTIMIZERS, OURS_ONLY_OPTIMIZERS, LookupShape
+from _memory import reset_peak, resident_bytes
 from _step_times import step_times
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -82,6 +91,8 @@ def optimizer_spec(name: str, shape: LookupShape) -> embedding.OptimizerSpec:
         )
     if name == "f2a":
         return embedding.F2AOptimizerSpec(learning_rate=lr, initial_accumulator_value=initial)
+    if name == "adam":
+        return embedding.AdamOptimizerSpec(learning_rate=lr)
     if name == "rowwise_adam":
         return embedding.RowWiseAdamOptimizerSpec(learning_rate=lr, epsilon=shape.epsilon)
     raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS + OURS_ONLY_OPTIMIZERS}")
@@ -197,19 +208,45 @@ class OurStep:
             preprocess_ms.append((time.perf_counter() - start) * 1e3)
         rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
         self.inputs = jax.block_until_ready([jax.device_put(x, rows) for x in laid_out])
+        before_init = resident_bytes()["rss"]
+        reset_peak()
+        start = time.perf_counter()
         self.variables = jax.block_until_ready(
             embedding.init_embedding_variables(
                 jax.random.key(0), specs, self.mesh, num_sc_per_device=self.partitions
             )
         )
+        init_s = time.perf_counter() - start
+        peak_init = resident_bytes()["peak_rss"]
         self.step = _step_program(specs, self.mesh)
         start = time.perf_counter()
         self._run(1 + self.warmup)
         return {
             "optimizer": name,
             "preprocess_ms": preprocess_ms,
+            "init_s": round(init_s, 3),
             "compile_and_warmup_s": round(time.perf_counter() - start, 2),
+            "state_bytes": _bytes(self.variables),
+            "batch_bytes": _bytes(self.inputs),
+            "rss_before_init": before_init,
+            "peak_rss_init": peak_init,
         }
+
+    def memory(self, _: str = "") -> dict:
+        """The resident set now and its peak since the last call (or setup's init)."""
+        figures = resident_bytes()
+        reset_peak()
+        return figures
+
+    def checkpoint(self, folder: str) -> dict:
+        """Saves the variables with the trainer's checkpoints, drops them, restores them."""
+        if self.variables is None:
+            raise RuntimeError("no variables: `setup <optimizer>` first (or it failed)")
+        figures, like, total = _checkpoint_times.save(self.variables, Path(folder))
+        self.variables = None
+        gc.collect()
+        restored, self.variables = _checkpoint_times.restore(Path(folder), like, total)
+        return {**figures, **restored}
 
     def time(self, steps: str) -> dict:
         if self.step is None:
@@ -223,6 +260,10 @@ class OurStep:
         times = step_times(run_step, self.inputs, self.next_batch, steps)
         self.next_batch += steps
         return times
+
+
+def _bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def _step_program(specs, mesh: Mesh):
@@ -263,7 +304,13 @@ def main() -> None:
         args.stacked,
     )
     greeting = {"devices": mesh.size, "stacked": args.stacked, "limits": ours.limits}
-    serve(replies, {"setup": ours.setup, "time": ours.time}, greeting=greeting)
+    commands = {
+        "setup": ours.setup,
+        "time": ours.time,
+        "memory": ours.memory,
+        "checkpoint": ours.checkpoint,
+    }
+    serve(replies, commands, greeting=greeting)
 
 
 if __name__ == "__main__":

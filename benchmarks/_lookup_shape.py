@@ -10,9 +10,10 @@ import json
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # Optimizers the TorchRec peer does not run on a CPU (jax-tpu-embedding's
-# other optimizers, and row-wise Adam, which FBGEMM builds for GPUs only):
+# other optimizers, and Adam and row-wise Adam, which FBGEMM builds for GPUs
+# only):
 # ours alone, timed against our own SGD step.
-OURS_ONLY_OPTIMIZERS = ("laprop", "adagrad_momentum", "f2a", "rowwise_adam")
+OURS_ONLY_OPTIMIZERS = ("laprop", "adagrad_momentum", "f2a", "rowwise_adam", "adam")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ from embedding._specs import (
     StackedTableSpec,
     TableSettingInStack,
     TableSpec,
+    feature_dims,
 )
 from embedding._stacking import (
     auto_stack_tables,
@@ -76,6 +77,7 @@ __all__ = [
     "apply_gradients",
     "coo_buffer_size_per_device",
     "embedding_variables_shapes",
+    "feature_dims",
     "gather_tables",
     "auto_stack_tables",
     "get_stacked_table_specs",

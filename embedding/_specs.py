@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from embedding._optimizers import OptimizerSpec
@@ -218,3 +218,9 @@ class FeatureSpec:
     @property
     def global_batch_size(self) -> int:
         return self.input_shape[0]
+
+
+def feature_dims(feature_specs: Mapping[str, FeatureSpec]) -> dict[str, int]:
+    """The width of each feature's activations (its table's `embedding_dim`), by name,
+    in the order of `feature_specs`."""
+    return {name: spec.table_spec.embedding_dim for name, spec in feature_specs.items()}

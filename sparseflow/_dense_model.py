@@ -67,9 +67,10 @@ def dense_model(
       UsageError: the model is one the trainer cannot run.
     """
     if config.model.module is None and model_class is None:
-        dims = {name: spec.table_spec.embedding_dim for name, spec in specs.items()}
         loss = _model.sigmoid_cross_entropy if loss is None else loss
-        return ShippedTower(config.model, config.layout.num_dense_features, dims, loss)
+        return ShippedTower(
+            config.model, config.layout.num_dense_features, embedding.feature_dims(specs), loss
+        )
     if config.model.pipeshard is not None:
         raise UsageError("model.pipeshard runs the shipped towers only, not a model of your own.")
     # Flax is imported for a user's model only: it would lengthen every run's start.

@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from sparseflow._dense_model import check_scalar_function
 from sparseflow._errors import UsageError
@@ -76,7 +75,7 @@ class MetricMeans:
         """Adds one batch: its outputs and `labels: int32[batch]` (global arrays)."""
         values = jax.device_get(self._values(outputs, labels))
         for name, value in values.items():
-            self._sums[name] += float(np.asarray(value, np.float64))
+            self._sums[name] += float(value)
         self._batches += 1
 
     def means(self) -> dict[str, float]:

@@ -159,8 +159,9 @@ class NnxModel:
         if loss is None:
             loss = getattr(model_class, "loss", None) or sigmoid_cross_entropy
         model = cls(module, build, graphdef, embedding_state, layer_path, loss)
-        dims = {name: spec.table_spec.embedding_dim for name, spec in feature_specs.items()}
-        outputs = abstract_outputs(model, dims, num_dense_features, global_batch_size)
+        outputs = abstract_outputs(
+            model, embedding.feature_dims(feature_specs), num_dense_features, global_batch_size
+        )
         if loss is sigmoid_cross_entropy:
             model._check_logits(outputs, global_batch_size)
             return model

@@ -106,10 +106,7 @@ class Stages:
     @functools.cached_property
     def feature_dims(self) -> dict[str, int]:
         """The embedding dim of every feature, in name order (the stacking order)."""
-        return {
-            name: self.feature_specs[name].table_spec.embedding_dim
-            for name in sorted(self.feature_specs)
-        }
+        return dict(sorted(embedding.feature_dims(self.feature_specs).items()))
 
     def stack(self, per_feature: Mapping[str, jax.Array]) -> jax.Array:
         """`float32[batch, sum of dims]`: per-feature `float32[batch, dim]`

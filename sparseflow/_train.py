@@ -352,10 +352,9 @@ class _Run:
             )
         self.metrics = {}
         if options.metrics:
-            dims = {name: spec.table_spec.embedding_dim for name, spec in specs.items()}
             outputs = _dense_model.abstract_outputs(
                 self.dense_model,
-                dims,
+                embedding.feature_dims(specs),
                 config.layout.num_dense_features,
                 config.global_batch_size,
             )

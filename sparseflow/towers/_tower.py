@@ -106,7 +106,7 @@ def _feature_dims(embed: Any) -> dict[str, int]:
             + ("" if specs is None else f" over a {type(specs).__name__}")
             + "."
         )
-    return {name: spec.table_spec.embedding_dim for name, spec in specs.items()}
+    return embedding.feature_dims(specs)
 
 
 def _is_param(node: Any) -> bool:

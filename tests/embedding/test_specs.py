@@ -393,3 +393,12 @@ def test_initializer_value_ranges():
     assert np.abs(truncated).max() <= 0.2 + 1e-6
     normal = np.asarray(initializers.Normal(stddev=0.1, mean=2.0)(key, (4096,)))
     assert abs(normal.mean() - 2.0) < 0.01 and abs(normal.std() - 0.1) < 0.01
+
+
+def test_feature_dims_are_each_feature_s_table_width_in_the_given_order():
+    wide = Table(name="wide", embedding_dim=12)
+    specs = {
+        "z": _feature(name="z"),
+        "a": _feature(name="a", table_spec=wide, output_shape=[16, 12]),
+    }
+    assert list(embedding.feature_dims(specs).items()) == [("z", 8), ("a", 12)]
