@@ -88,6 +88,13 @@ def _placed_specs(spec_module, ragged_stack_max_ids: int = 16) -> dict:
     }
 
 
+def _set_buffer(table, size: int) -> None:
+    """The reference's in-place edit of a stack's buffer size."""
+    table.stacked_table_spec = dataclasses.replace(
+        table.stacked_table_spec, suggested_coo_buffer_size_per_device=size
+    )
+
+
 def _layout(result) -> dict:
     return result[0].sparse_dense_matmul_input._asdict()
 
@@ -119,10 +126,7 @@ def test_an_in_place_edit_of_a_hand_placed_stack_sizes_the_buffer_as_in_the_refe
     results = []
     for spec_module, module in ((jte_compat, jte_compat), (jte_spec, jte)):
         specs = _placed_specs(spec_module)
-        table = specs["ragged"].table_spec
-        table.stacked_table_spec = dataclasses.replace(
-            table.stacked_table_spec, suggested_coo_buffer_size_per_device=128
-        )
+        _set_buffer(specs["ragged"].table_spec, 128)
         results.append(
             module.preprocess_sparse_dense_matmul_input(
                 _batch(seed=5), None, specs, 1, 1, num_sc_per_device=4
@@ -142,10 +146,7 @@ def test_an_in_place_edit_of_a_prepared_stack_sizes_the_buffer_as_in_the_referen
     for spec_module, module in ((jte_compat, jte_compat), (jte_spec, jte)):
         specs = {"dense": _feature(spec_module, "dense", _table(spec_module, "a", 40))}
         module.prepare_feature_specs_for_training(specs, 1, 4)
-        table = specs["dense"].table_spec
-        table.stacked_table_spec = dataclasses.replace(
-            table.stacked_table_spec, suggested_coo_buffer_size_per_device=120
-        )
+        _set_buffer(specs["dense"].table_spec, 120)
         results.append(
             module.preprocess_sparse_dense_matmul_input(
                 {"dense": _batch(seed=6)["dense"]}, None, specs, 1, 1, num_sc_per_device=4
@@ -159,20 +160,26 @@ def test_an_in_place_edit_of_a_prepared_stack_sizes_the_buffer_as_in_the_referen
 
 def test_a_hand_placed_table_over_its_buffer_is_refused_where_the_reference_drops():
     """The reference drops what overflows a buffer even with dropping off;
-    `jte_compat` raises, naming the slot and the fix."""
-    specs = _placed_specs(jte_compat)
-    table = specs["dense"].table_spec
-    table.stacked_table_spec = dataclasses.replace(
-        table.stacked_table_spec, suggested_coo_buffer_size_per_device=32
-    )
-    with pytest.raises(ValueError, match="slot's buffer of 8 entries .* too small"):
-        jte_compat.preprocess_sparse_dense_matmul_input(
-            _batch(seed=7), None, specs, 1, 1, num_sc_per_device=4
+    `jte_compat` raises, naming the slot and the fix, and with dropping on
+    drops what the reference drops."""
+    results = []
+    for spec_module, module in ((jte_compat, jte_compat), (jte_spec, jte)):
+        specs = _placed_specs(spec_module)
+        _set_buffer(specs["dense"].table_spec, 32)
+        if module is jte_compat:
+            with pytest.raises(ValueError, match="slot's buffer of 8 entries .* too small"):
+                module.preprocess_sparse_dense_matmul_input(
+                    _batch(seed=7), None, specs, 1, 1, num_sc_per_device=4
+                )
+        results.append(
+            module.preprocess_sparse_dense_matmul_input(
+                _batch(seed=7), None, specs, 1, 1, num_sc_per_device=4, allow_id_dropping=True
+            )
         )
-    out, stats = jte_compat.preprocess_sparse_dense_matmul_input(
-        _batch(seed=7), None, specs, 1, 1, num_sc_per_device=4, allow_id_dropping=True
-    )
-    assert out.lhs_embedding_ids["a"].shape == (32,) and stats.id_drop_counters["a"] > 0
+    (ours, our_stats), (theirs, their_stats) = results
+    assert ours.lhs_embedding_ids["a"].shape == theirs.lhs_embedding_ids["a"].shape == (32,)
+    assert our_stats.id_drop_counters["a"] == their_stats.id_drop_counters["a"] > 0
+    assert_same_layout(_layout(results[0]), _layout(results[1]), devices=1, slots=4)
 
 
 def test_a_table_placed_with_others_needs_the_transformation_stacking_gives():
