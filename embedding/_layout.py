@@ -185,7 +185,7 @@ class SortedStack(NamedTuple):
     Attributes:
       packed: `int64[nnz]` sorted `key << index_bits | original index`, key =
         (slot, partition, local id, sample).
-      index_bits: bits of the original index.
+      index_bits: bits of the original index (0 when `gains` is None).
       gains: `float32[nnz]` in original order, or None for all ones.
       local_bits: bits of the local id.
       sample_bits: bits of the sample.
@@ -226,7 +226,10 @@ def sort_stack(members: list[StackMember], geometry: LayoutGeometry) -> SortedSt
     sample_bits = _bits(g.samples_per_slot - 1)
     local_bits = _bits(g.rows_per_partition - 1)
     nnz = sum(m.ids.size for m in members)
-    index_bits = max(_bits(nnz - 1), 1)
+    gains = _member_gains(members)
+    # The scan reads an entry's original index only to fetch its gain: with
+    # unit gains the keys go without it, which leaves room for larger batches.
+    index_bits = 0 if gains is None else max(_bits(nnz - 1), 1)
     key_bits = _bits(g.num_slots - 1) + _log2(g.max_minibatches) + log_n + local_bits + sample_bits
     if key_bits + index_bits > 63:
         raise ValueError(
@@ -258,7 +261,7 @@ def sort_stack(members: list[StackMember], geometry: LayoutGeometry) -> SortedSt
     low = index_bits + sample_bits
     slot_bits = _bits(g.num_slots - 1)
     packed = stable_sort_by_bits(packed, low, low + local_bits + log_n + slot_bits)
-    return SortedStack(packed, index_bits, _member_gains(members), local_bits, sample_bits)
+    return SortedStack(packed, index_bits, gains, local_bits, sample_bits)
 
 
 def minibatching_split(

@@ -144,9 +144,11 @@ def pack_feature_keys(
       ids: `int[nnz]` ids of the feature (checked to be in range).
       row_splits: `int64[rows + 1]`.
       out: `int64[nnz]` slice of the stack's key array receiving
-        `key << index_bits | (index_base + j)` for entry j.
+        `key << index_bits | (index_base + j)` for entry j (the key alone
+        when `index_bits` is 0).
     """
     partition_mask = (np.int64(1) << partition_bits) - 1
+    index_mask = (np.int64(1) << index_bits) - 1
     for r in range(row_splits.size - 1):
         slot = r // samples_per_slot
         sample = r - slot * samples_per_slot + sample_offset
@@ -158,7 +160,7 @@ def pack_feature_keys(
                 ((prefix | (col & partition_mask)) << local_bits | (col >> partition_bits))
                 << sample_bits
             ) | sample
-            out[j] = (key << index_bits) | (index_base + j)
+            out[j] = (key << index_bits) | ((index_base + j) & index_mask)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -11,12 +11,20 @@ Every name here takes the reference's arguments and returns what the
 reference returns, computed by `embedding`'s own functions. Where the two
 differ (docs/switching.md lists it all):
 
-* Specs are frozen dataclasses. `prepare_feature_specs_for_training` and
+* `embedding`'s specs are frozen dataclasses; this module's `TableSpec`
+  takes the reference's in-place edits (`table.stacked_table_spec = ...`),
+  checked, and every function reads a table as it is when called.
+  `prepare_feature_specs_for_training` and
   `update_preprocessing_parameters` put prepared specs into the dict and
   list containers they are given (the reference edits the spec objects
   themselves) and also return the prepared tree; every function here
   prepares unprepared specs alike, so a spec held elsewhere (in a tuple, or
-  a `TableSpec` variable) gives the same results.
+  a `TableSpec` variable) gives the same results. A table placed in a stack
+  of its own by hand, whose feature has no id transformation, lays out as
+  in the reference (its stack's limits and buffer, see `read_placements`).
+* `sc_simd_width` (later versions' preprocessing argument) is accepted as 8
+  only, the partition alignment of this layout; a local batch over
+  `2**26 - 1` samples per device is refused as the reference refuses it.
 * The lookup and the update run on global arrays over a 1-D mesh, not
   inside `shard_map` (they partition themselves): call them directly or
   under `jax.jit`. The mesh is that of the variables' sharding, or `mesh=`.
@@ -41,7 +49,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from embedding._jte_specs import QuantizationConfig, TableSpec
+from embedding._jte_specs import QuantizationConfig, TableSpec, read_placements
+from embedding._layout import ALIGNMENT
 from embedding._lookup import sparse_dense_matmul
 from embedding._optimizers import (
     AdagradMomentumOptimizerSpec,
@@ -105,6 +114,10 @@ F2ASlotVariables = F2ASlots
 
 # Minibatching gives a batch up to 64 passes over the limits.
 _MAX_MINIBATCHES = 64
+# The reference's CooFormat keeps a sample's row within a device's batch in
+# 26 bits (`CooFormat::kDataMask`) and refuses larger local batches; so does
+# this module, so that a batch that runs here runs there too.
+_COO_MAX_SAMPLES_PER_DEVICE = (1 << 26) - 1
 
 
 class EmbeddingVariables(NamedTuple):
@@ -163,7 +176,9 @@ def prepare_feature_specs_for_training(
     The prepared specs replace the unprepared ones in `feature_specs`' dicts
     and lists (tuples keep theirs); the prepared tree is returned too.
     """
-    prepared = _prepare(feature_specs, global_device_count, _num_sc(num_sc_per_device))
+    prepared = _prepare(
+        read_placements(feature_specs), global_device_count, _num_sc(num_sc_per_device)
+    )
     _update_in_place(feature_specs, prepared)
     return prepared
 
@@ -233,9 +248,35 @@ def update_preprocessing_parameters(
             f"{stats.geometry.partitions_per_device} partitions per device."
         )
     else:
-        prepared = apply_fdo(feature_specs, stats)
+        prepared = apply_fdo(read_placements(feature_specs), stats)
     _update_in_place(feature_specs, prepared)
     return prepared
+
+
+def _check_simd_width(sc_simd_width: int | None) -> None:
+    if sc_simd_width is None or (type(sc_simd_width) is int and sc_simd_width == ALIGNMENT):
+        return
+    raise ValueError(
+        f"sc_simd_width={sc_simd_width!r} is not supported: sparseflow pads every "
+        f"partition's entries and the row pointers to multiples of {ALIGNMENT}, the "
+        "SparseCore SIMD width of TPU v4, v5 and v6e. Pass sc_simd_width=8 or leave it out."
+    )
+
+
+def _check_coo_rows(prepared: Nested[FeatureSpec], global_device_count: int) -> None:
+    """Refuses the local batches the reference's CooFormat cannot index."""
+    rows: dict[str, int] = {}
+    for feature in jax.tree.leaves(prepared):
+        stack = feature.table_spec.stacked_table_spec.stack_name
+        rows[stack] = rows.get(stack, 0) + feature.global_batch_size // global_device_count
+    for stack, count in rows.items():
+        if count > _COO_MAX_SAMPLES_PER_DEVICE:
+            raise ValueError(
+                f"Stack {stack!r}: the local batch of {count} samples per device (over "
+                f"{global_device_count} devices) exceeds the maximum limit supported by the "
+                f"SparseCore CooFormat ({_COO_MAX_SAMPLES_PER_DEVICE} samples, a 26-bit row "
+                "field). Spread the global batch over more devices or use smaller batches."
+            )
 
 
 def preprocess_sparse_dense_matmul_input(
@@ -246,6 +287,7 @@ def preprocess_sparse_dense_matmul_input(
     global_device_count: int,
     *,
     num_sc_per_device: int | None = None,
+    sc_simd_width: int | None = None,
     sharding_strategy: str = "MOD",
     has_leading_dimension: bool = False,
     allow_id_dropping: bool = False,
@@ -253,15 +295,25 @@ def preprocess_sparse_dense_matmul_input(
     enable_minibatching: bool = False,
     all_reduce_interface: Any = None,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
-    """`embedding.preprocess_sparse_dense_matmul_input` (ids checked against the vocabulary)."""
+    """`embedding.preprocess_sparse_dense_matmul_input` (ids checked against the vocabulary).
+
+    Raises:
+      ValueError: `sc_simd_width` other than 8 (None is 8), a stack's local
+        batch over `2**26 - 1` samples per device (the reference's limit),
+        or what `embedding.preprocess_sparse_dense_matmul_input` raises.
+    """
     _check_mod(sharding_strategy)
+    _check_simd_width(sc_simd_width)
+    num_sc = _num_sc(num_sc_per_device)
+    prepared = _prepare(read_placements(feature_specs), global_device_count, num_sc)
+    _check_coo_rows(prepared, global_device_count)
     return _preprocess(
         features,
         features_weights,
-        feature_specs,
+        prepared,
         local_device_count,
         global_device_count,
-        num_sc_per_device=_num_sc(num_sc_per_device),
+        num_sc_per_device=num_sc,
         has_leading_dimension=has_leading_dimension,
         allow_id_dropping=allow_id_dropping,
         batch_number=batch_number,
@@ -280,7 +332,9 @@ def compute_coo_buffer_size_per_device(
     (`embedding.coo_buffer_size_per_device` of its limits)."""
     num_sc = _num_sc(num_sc_per_device)
     num_partitions = check_partition_count(global_device_count, num_sc)
-    stacks = get_stacked_table_specs(_prepare(feature_specs, global_device_count, num_sc))
+    stacks = get_stacked_table_specs(
+        _prepare(read_placements(feature_specs), global_device_count, num_sc)
+    )
     return {
         name: coo_buffer_size_per_device(
             stack.max_ids_per_partition,
@@ -447,6 +501,7 @@ def tpu_sparse_dense_matmul(
     _unsupported(**{"perform_unstacking=False": not perform_unstacking})
     if isinstance(preprocessed_inputs, SparseDenseMatmulInput):
         preprocessed_inputs = PreprocessedInput(preprocessed_inputs)
+    feature_specs = read_placements(feature_specs)
     with _global_arrays_hint():
         return sparse_dense_matmul(
             preprocessed_inputs,
@@ -496,6 +551,7 @@ def tpu_sparse_dense_matmul_grad(
     )
     if isinstance(preprocessed_inputs, SparseDenseMatmulInput):
         preprocessed_inputs = PreprocessedInput(preprocessed_inputs)
+    feature_specs = read_placements(feature_specs)
     with _global_arrays_hint():
         updated = apply_gradients(
             activation_gradients,

@@ -15,6 +15,7 @@ import jax
 import lookup_reference as ref
 import numpy as np
 import pytest
+from jte_layout import assert_same_layout
 
 import embedding
 from embedding import jte_compat
@@ -169,27 +170,6 @@ def _inputs(combiner: str) -> dict:
     }
 
 
-def _assert_same_layout(ours: dict, theirs: dict, *, devices: int, slots: int) -> None:
-    """Equal row pointers, and equal entries wherever they point (the reference
-    leaves the rest of a slot's buffer uninitialized)."""
-    for stack, pointers in theirs["lhs_row_pointers"].items():
-        np.testing.assert_array_equal(ours["lhs_row_pointers"][stack], pointers, err_msg=stack)
-        by_slot = pointers.reshape(devices, slots, -1)
-        for field in ("lhs_embedding_ids", "lhs_sample_ids", "lhs_gains"):
-            got = ours[field][stack].reshape(devices, slots, -1)
-            want = theirs[field][stack].reshape(devices, slots, -1)
-            for device in range(devices):
-                for slot in range(slots):
-                    used = by_slot[device, slot, -1]
-                    # Mean and sqrtn gains may round differently (one ulp).
-                    np.testing.assert_allclose(
-                        got[device, slot, :used],
-                        want[device, slot, :used],
-                        rtol=1e-6 if field == "lhs_gains" else 0,
-                        err_msg=f"{field}[{stack}], device {device}, slot {slot}",
-                    )
-
-
 def _run(imports: str, namespace: dict) -> tuple[dict, Exception | None]:
     results: dict = {}
     try:
@@ -210,7 +190,7 @@ def test_a_reference_script_runs_on_the_aliases_with_its_imports_changed(combine
     assert "activations" not in theirs
 
     assert ours["stacking"] == theirs["stacking"]
-    _assert_same_layout(ours["preprocessed"], theirs["preprocessed"], devices=8, slots=2)
+    assert_same_layout(ours["preprocessed"], theirs["preprocessed"], devices=8, slots=2)
     for stack, counts in theirs["max_ids_per_partition"].items():
         np.testing.assert_array_equal(ours["max_ids_per_partition"][stack], counts)
     assert ours["coo_buffer_size"] == {k: int(v) for k, v in theirs["coo_buffer_size"].items()}
