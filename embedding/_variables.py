@@ -204,28 +204,24 @@ def _draw(initializer, shape: tuple[int, int], key: jax.Array) -> jax.Array:
 
 
 def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, sharding):
-    # Alike tables are drawn and laid out by one vmapped call each (the values
-    # are those of a call per table): one table at a time, the 26 tables of
-    # the Criteo config put 26 copies of the key derivation, the generator and
-    # the layout in the program, a program slow to compile and, at every
-    # start, to load from the compilation cache (docs/benchmarks.md).
+    # Each table is drawn and laid out into its place in the stack in turn, by
+    # one loop per group of alike tables (one copy of the generator in the
+    # program, which stays quick to compile and to load from the compilation
+    # cache, docs/benchmarks.md). Drawing a group at once held three times the
+    # group in XLA:CPU's random-number temporaries; in turn they are those of
+    # the largest table, and the stack is written in place.
     tables = members.tables
-    blocks: list[Any] = [None] * len(tables)
-    batched = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    first_setting = tables[0].setting_in_stack
+    rows_before = np.cumsum(
+        [0] + [t.setting_in_stack.padded_vocab_size // num_partitions for t in tables]
+    )
+    stacked = jnp.zeros(
+        (num_partitions, int(rows_before[-1]), first_setting.padded_embedding_dim), jnp.float32
+    )
+    stacked = jax.lax.with_sharding_constraint(stacked, _partition_sharding(sharding))
     for indices in _alike(tables):
-        first = tables[indices[0]]
-        shape = (first.vocabulary_size, first.embedding_dim)
-        names = np.array([_name_hash(tables[i].name) for i in indices], np.uint32)
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, names)  # table_key's
-        draw = functools.partial(_draw, first.initializer, shape)
-        values = jax.vmap(draw)(keys)
-        # Pinning the logical tables to the row sharding makes every device
-        # draw only its own rows (partitionable threefry), never a whole table.
-        values = jax.lax.with_sharding_constraint(values.astype(jnp.float32), batched)
-        grouped = _partition_blocks(values, [tables[i] for i in indices], num_partitions)
-        for i, block in zip(indices, grouped, strict=True):
-            blocks[i] = block
-    stacked = jnp.concatenate(blocks, axis=1)
+        group = [tables[i] for i in indices]
+        stacked = _draw_group(key, group, rows_before[indices], stacked, sharding)
     table = stacked.reshape(-1, stacked.shape[2])
     optimizer = members.spec.optimizer
     slots = jax.tree.map(
@@ -234,6 +230,51 @@ def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, shar
         optimizer.slot_shapes(*table.shape),
     )
     return EmbeddingVariables(table, slots)
+
+
+def _partition_sharding(sharding: NamedSharding) -> NamedSharding:
+    """`[N, rows per partition, dim]` split by partitions as `sharding` splits rows."""
+    return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, None))
+
+
+def _draw_group(
+    key: jax.Array,
+    group: Sequence[TableSpec],
+    rows_before: np.ndarray,
+    stacked: jax.Array,
+    sharding: NamedSharding,
+) -> jax.Array:
+    """`stacked` with each table of `group` (alike) drawn into its partitions' rows.
+
+    Args:
+      group: tables of one initializer, shape and padding.
+      rows_before: `int[len(group)]`, each table's first row in every partition.
+      stacked: `float32[N, rows per partition, padded_dim]`.
+      sharding: the stacked table's row sharding.
+    """
+    first = group[0]
+    shape = (first.vocabulary_size, first.embedding_dim)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+        key, np.array([_name_hash(t.name) for t in group], np.uint32)
+    )  # table_key's
+    starts = jnp.asarray(rows_before, jnp.int32)
+    # Relative to the first table's rotation, which `_partition_blocks` applies.
+    rotations = jnp.asarray(
+        [t.setting_in_stack.shard_rotation - first.setting_in_stack.shard_rotation for t in group],
+        jnp.int32,
+    )
+    num_partitions = stacked.shape[0]
+    # Pinning the drawn table to the row sharding makes every device draw only
+    # its own rows (partitionable threefry), never a whole table.
+
+    def place(i, stacked):
+        values = _draw(first.initializer, shape, keys[i]).astype(jnp.float32)
+        values = jax.lax.with_sharding_constraint(values, sharding)
+        (block,) = _partition_blocks(values[None], [first], num_partitions)
+        block = jnp.roll(block, rotations[i], axis=0)
+        return jax.lax.dynamic_update_slice(stacked, block, (0, starts[i], 0))
+
+    return jax.lax.fori_loop(0, len(group), place, stacked)
 
 
 def init_embedding_variables(
