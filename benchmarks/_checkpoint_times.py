@@ -1,6 +1,7 @@
 """Saving and restoring a pytree of arrays through the trainer's own checkpoints
 (`sparseflow._checkpoint`, orbax), timed, with the peak resident memory of each,
-for `benchmarks/scale.py`'s step processes.
+for `benchmarks/scale.py`'s step processes (every process of a group calls
+them together; each reports its own memory).
 
 The caller drops the arrays between the two, as a resumed run has nothing but
 the checkpoint; a checksum of their bits taken before the save must
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from _memory import reset_peak, resident_bytes
 
+from sparseflow import _hosts
 from sparseflow._checkpoint import Checkpoints, Snapshot
 
 _RUN = {"benchmark": "scale"}
@@ -46,7 +48,9 @@ def save(arrays: Any, folder: Path) -> tuple[dict, Any, int]:
       `checkpoint_bytes` (the files), `peak_rss_save` (bytes, the save's own
       peak); what `restore` takes.
     """
-    shutil.rmtree(folder, ignore_errors=True)
+    if jax.process_index() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    _hosts.barrier("scale:checkpoint_folder_emptied")
     like = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), arrays
     )
@@ -87,5 +91,7 @@ def restore(folder: Path, like: Any, total: int) -> tuple[dict, Any]:
     checkpoints.close()
     if int(checksum(arrays)) != total:
         raise RuntimeError(f"the arrays restored from {folder} are not the ones saved")
-    shutil.rmtree(folder)
+    _hosts.barrier("scale:checkpoint_restored")
+    if jax.process_index() == 0:
+        shutil.rmtree(folder)
     return {"restore_s": round(restore_s, 3), "peak_rss_restore": peak}, arrays

@@ -74,7 +74,11 @@ class LineProcess:
         *,
         env: Mapping[str, str] | None = None,
         timeout_s: float = 60,
+        greet: bool = True,
     ) -> None:
+        """Starts the child; with `greet`, waits for its greeting (else call
+        `read_greeting`: children that meet each other before greeting, as the
+        processes of one `jax.distributed` group do, are all started first)."""
         self.name = name
         self.timeout_s = timeout_s
         self._process = subprocess.Popen(
@@ -84,20 +88,34 @@ class LineProcess:
             text=True,
             env=None if env is None else dict(env),
         )
+        self.greeting: dict[str, Any] | None = None
+        if greet:
+            self.read_greeting()
+
+    def read_greeting(self) -> None:
         self.greeting = self._reply()
+
+    def send(self, command: str) -> None:
+        """Sends `command` without waiting for the reply (`receive` reads it)."""
+        self._process.stdin.write(command + "\n")
+        self._process.stdin.flush()
+
+    def receive(self, command: str) -> dict[str, Any]:
+        """The reply to `command`, sent before; raises `ChildError` on `ok: false`."""
+        reply = self._reply()
+        if not reply["ok"]:
+            raise ChildError(f"{self.name}: `{command}` failed: {reply['error']}")
+        return reply
 
     def request(self, command: str) -> dict[str, Any]:
         """Sends `command`; returns the reply, `ok: false` ones included."""
-        self._process.stdin.write(command + "\n")
-        self._process.stdin.flush()
+        self.send(command)
         return self._reply()
 
     def call(self, command: str) -> dict[str, Any]:
         """`request`, raising `ChildError` on `ok: false`."""
-        reply = self.request(command)
-        if not reply["ok"]:
-            raise ChildError(f"{self.name}: `{command}` failed: {reply['error']}")
-        return reply
+        self.send(command)
+        return self.receive(command)
 
     def _reply(self) -> dict[str, Any]:
         line = self._process.stdout.readline()
@@ -107,17 +125,61 @@ class LineProcess:
         return json.loads(line)
 
     def close(self) -> None:
-        if self._process.poll() is None:
+        self.ask_to_quit()
+        try:
+            self._process.wait(self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def ask_to_quit(self) -> None:
+        """Sends `quit` and closes the child's input, without waiting for it to end."""
+        if self._process.poll() is None and not self._process.stdin.closed:
             try:
                 self._process.stdin.write("quit\n")
                 self._process.stdin.close()
-                self._process.wait(self.timeout_s)
-            except (OSError, subprocess.TimeoutExpired):
-                self._process.kill()
-                self._process.wait()
+            except OSError:
+                pass
 
     def __enter__(self) -> LineProcess:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ProcessGroup:
+    """Children that take every command together (the processes of one
+    `jax.distributed` group: a program with collectives runs on all or none).
+
+    Use as a context manager: leaving it asks every child to quit before it
+    waits for any (each waits for the others at the group's shutdown).
+    """
+
+    def __init__(self, processes: Sequence[LineProcess]) -> None:
+        self.processes = list(processes)
+        try:
+            for process in self.processes:
+                if process.greeting is None:
+                    process.read_greeting()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.ask_to_quit()
+        for process in self.processes:
+            process.close()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def call(self, command: str) -> list[dict[str, Any]]:
+        """Sends `command` to every child, then returns their replies in order."""
+        for process in self.processes:
+            process.send(command)
+        return [process.receive(command) for process in self.processes]

@@ -34,6 +34,12 @@ Commands (the line protocol of `_line_protocol.py`):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python benchmarks/_lookup_ours.py BATCHES.npz --devices 8 --shape '{...}'
+
+With `--processes P --process-id I --coordinator HOST:PORT` it is one of P
+processes of a `jax.distributed` group (gloo collectives; `--devices` counts
+the group's devices, this process sees `devices / P`): each lays out its own
+share of every batch's samples, the limits come from every share (the same in
+every process), and the driver sends every command to all of them.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from _step_times import step_times
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
+from sparseflow import _launch
 
 Batch = dict[str, embedding.RaggedIds]
 
@@ -142,10 +149,12 @@ class OurStep:
         partitions: int,
         warmup: int,
         stacked: bool,
+        processes: int = 1,
     ) -> None:
         self.batches = batches
         self.shape = shape
         self.mesh = mesh
+        self.processes = processes
         self.partitions = partitions
         self.warmup = warmup
         self.stack_over = (mesh.size, partitions) if stacked else None
@@ -158,14 +167,22 @@ class OurStep:
         self.next_batch = 0
         gc.collect()
 
-    def _preprocess(self, batch: Batch, specs, allow_id_dropping: bool = False):
-        devices = self.mesh.size
+    def _preprocess(
+        self, batch: Batch, specs, allow_id_dropping: bool = False, process: int | None = None
+    ):
+        """Lays out the share of `batch` that `process` (by default this one) holds."""
+        process = jax.process_index() if process is None else process
+        rows = self.shape.batch // self.processes
+        share = {
+            name: _ragged_rows(ids, process * rows, (process + 1) * rows)
+            for name, ids in batch.items()
+        }
         return embedding.preprocess_sparse_dense_matmul_input(
-            batch,
+            share,
             None,
             specs,
-            devices,
-            devices,
+            self.mesh.size // self.processes,
+            self.mesh.size,
             num_sc_per_device=self.partitions,
             allow_id_dropping=allow_id_dropping,
         )
@@ -177,8 +194,10 @@ class OurStep:
         loose = dict(max_ids_per_partition=loose_limit, max_unique_ids_per_partition=loose_limit)
         specs = feature_specs(self.shape, embedding.SGDOptimizerSpec(), loose, self.stack_over)
         max_ids = max_unique = buffer = 0
-        for batch in self.batches:
-            _, stats = self._preprocess(batch, specs, allow_id_dropping=True)
+        # Every process's share, so that every process sets the same limits.
+        shares = [(b, p) for b in self.batches for p in range(self.processes)]
+        for batch, process in shares:
+            _, stats = self._preprocess(batch, specs, allow_id_dropping=True, process=process)
             max_ids = max(max_ids, *(int(v.max()) for v in stats.max_ids_per_partition.values()))
             max_unique = max(
                 max_unique, *(int(v.max()) for v in stats.max_unique_ids_per_partition.values())
@@ -207,7 +226,9 @@ class OurStep:
             laid_out.append(self._preprocess(batch, specs)[0])  # over a limit raises
             preprocess_ms.append((time.perf_counter() - start) * 1e3)
         rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
-        self.inputs = jax.block_until_ready([jax.device_put(x, rows) for x in laid_out])
+        self.inputs = jax.block_until_ready(
+            [jax.make_array_from_process_local_data(rows, x) for x in laid_out]
+        )
         before_init = resident_bytes()["rss"]
         reset_peak()
         start = time.perf_counter()
@@ -263,7 +284,14 @@ class OurStep:
 
 
 def _bytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
+    """What this process holds of the arrays of `tree`."""
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
+
+
+def _ragged_rows(ids: embedding.RaggedIds, start: int, stop: int) -> embedding.RaggedIds:
+    """Rows `start:stop` of `ids`."""
+    splits = ids.row_splits[start : stop + 1]
+    return embedding.RaggedIds(ids.values[splits[0] : splits[-1]], splits - splits[0])
 
 
 def _step_program(specs, mesh: Mesh):
@@ -286,8 +314,13 @@ def main() -> None:
     parser.add_argument(
         "--no-stacking", dest="stacked", action="store_false", help="one physical table each"
     )
+    parser.add_argument("--processes", type=int, default=1, help="of a jax.distributed group")
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--coordinator", help="host:port of process 0's coordinator")
     args = parser.parse_args()
     replies = reply_stream()
+    if args.processes > 1:
+        _launch.initialize_distributed(args.coordinator, args.processes, args.process_id)
     if jax.device_count() != args.devices:
         raise SystemExit(
             f"asked for {args.devices} devices, jax has {jax.device_count()}: set "
@@ -302,6 +335,7 @@ def main() -> None:
         args.partitions_per_device,
         args.warmup,
         args.stacked,
+        args.processes,
     )
     greeting = {"devices": mesh.size, "stacked": args.stacked, "limits": ours.limits}
     commands = {

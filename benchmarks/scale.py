@@ -18,6 +18,11 @@ one as `benchmarks/lookup.py` stacks them), on one CPU device:
     checkpoint, checked by a checksum of the arrays' bits: `save_s` until
     the save returns, `sync_s` until the data is on disk (`os.sync`),
     `restore_s`;
+  * the same on `--group` (default 2x4): 2 processes of 4 CPU devices each,
+    one `jax.distributed` group over loopback (gloo collectives), the tables
+    sharded over all 8 devices, each process laying out its own half of every
+    batch; its figures (`group`) are per process, the worst of the two, and
+    its step times process 0's;
   * the disk's sequential write speed, `dd` of 2 GiB with `conv=fdatasync`,
     once per run: `disk_write_mb_s`.
 
@@ -42,7 +47,7 @@ largest size (target at least 0.5). A size whose state would not fit
 `--memory-gib` is skipped and listed. The last line printed is one JSON object.
 
     python benchmarks/scale.py [--rows 1e6,1e7,1e8,2e8] [--optimizers rowwise_adagrad,adam]
-        [--rounds 3] [--steps 10] [--no-peer] [--work-dir DIR]
+        [--rounds 3] [--steps 10] [--no-peer] [--group 2x4|none] [--work-dir DIR]
     python benchmarks/scale.py --rows 1e5,1e6 --rounds 1 --steps 3 --no-peer   # a check
 """
 
@@ -63,8 +68,9 @@ from pathlib import Path
 import _torchrec_env
 import _zipf_batches
 import numpy as np
+import portpicker
 from _alternating import alternating
-from _line_protocol import LineProcess
+from _line_protocol import LineProcess, ProcessGroup
 from _lookup_shape import OPTIMIZERS, OURS_ONLY_OPTIMIZERS, LookupShape
 from lookup import ROWWISE_VS_SGD, _device_env, write_batches
 
@@ -76,6 +82,13 @@ SETTLE_SECONDS = 0.5
 
 def _rows(text: str) -> list[int]:
     return [int(float(part)) for part in text.split(",")]
+
+
+def _group_shape(text: str) -> tuple[int, int] | None:
+    if text == "none":
+        return None
+    processes, _, devices = text.partition("x")
+    return int(processes), int(devices)
 
 
 def state_bytes(optimizer: str, rows: int) -> int:
@@ -101,6 +114,24 @@ def _ours(stack: contextlib.ExitStack, batches: Path, shape: LookupShape) -> Lin
     argv = [sys.executable, str(BENCHMARKS / "_lookup_ours.py"), str(batches)]
     argv += ["--shape", shape.to_json(), "--devices", "1"]
     return stack.enter_context(LineProcess("ours", argv, env=_device_env(1), timeout_s=600))
+
+
+def _group(
+    stack: contextlib.ExitStack, batches: Path, shape: LookupShape, processes: int, devices: int
+) -> ProcessGroup:
+    """`processes` step processes of one `jax.distributed` group, `devices` each."""
+    coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    members = []
+    for index in range(processes):
+        argv = [sys.executable, str(BENCHMARKS / "_lookup_ours.py"), str(batches)]
+        argv += ["--shape", shape.to_json(), "--devices", str(processes * devices)]
+        argv += ["--processes", str(processes), "--process-id", str(index)]
+        argv += ["--coordinator", coordinator]
+        name = f"ours process {index}"
+        members.append(
+            LineProcess(name, argv, env=_device_env(devices), timeout_s=600, greet=False)
+        )
+    return stack.enter_context(ProcessGroup(members))
 
 
 def _peer(stack, batches: Path, shape: LookupShape, args) -> LineProcess:
@@ -154,9 +185,39 @@ def _peer_sgd(peer: LineProcess, optimizer: str, args) -> dict:
     return {"torchrec_sgd_ms": round(statistics.median(times), 2)}
 
 
-def measure_size(optimizer: str, rows: int, args, work: Path) -> dict:
-    """One optimizer at one size: ours (and the peer) set up, timed, ours checkpointed."""
-    shape = LookupShape(tables=TABLES, vocabulary=rows // TABLES, dim=DIM, batch=BATCH)
+def measure_group(optimizer: str, rows: int, args, work: Path) -> dict:
+    """Ours on `--group` (processes x devices): set up, timed, checkpointed; per
+    process figures, the worst of the processes (step times are process 0's)."""
+    processes, devices = args.group
+    path = _write_batches(rows, args, work)
+    shape = _shape(rows)
+    with contextlib.ExitStack() as stack:
+        group = _group(stack, path, shape, processes, devices)
+        setups = group.call(f"setup {optimizer}")
+        group.call("memory")
+        times = []
+        for _ in range(args.rounds):
+            time.sleep(SETTLE_SECONDS)
+            times += group.call(f"time {args.steps}")[0]["step_ms"]
+        trained = group.call("memory")
+        checkpoints = group.call(f"checkpoint {work / 'checkpoint'}")
+    path.unlink()
+    per_process = [
+        _ours_figures(*replies, times) for replies in zip(setups, trained, checkpoints, strict=True)
+    ]
+    return {
+        key: max(p[key] for p in per_process) if key != "step_ms_iqr" else per_process[0][key]
+        for key in per_process[0]
+    }
+
+
+def _shape(rows: int) -> LookupShape:
+    return LookupShape(tables=TABLES, vocabulary=rows // TABLES, dim=DIM, batch=BATCH)
+
+
+def _write_batches(rows: int, args, work: Path) -> Path:
+    """The run's id batches for `rows` rows, in `work`."""
+    shape = _shape(rows)
     batches = _zipf_batches.make_batches(
         args.batches,
         args.seed,
@@ -169,6 +230,13 @@ def measure_size(optimizer: str, rows: int, args, work: Path) -> dict:
     )
     path = work / "batches.npz"
     write_batches(batches, path)
+    return path
+
+
+def measure_size(optimizer: str, rows: int, args, work: Path) -> dict:
+    """One optimizer at one size: ours (and the peer) set up, timed, ours checkpointed."""
+    shape = _shape(rows)
+    path = _write_batches(rows, args, work)
     peer_runs = args.peer and optimizer in OPTIMIZERS
     together = state_bytes(optimizer, rows) * (1 + 1.5 * peer_runs) <= args.memory_gib * 2**30
     figures: dict = {"alternated": bool(peer_runs and together)}
@@ -224,6 +292,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory-gib", type=float, default=15.0)
     parser.add_argument("--no-peer", dest="peer", action="store_false")
+    parser.add_argument(
+        "--group",
+        type=_group_shape,
+        default=(2, 4),
+        help="PxD: also on P processes of D devices each (jax.distributed); 'none' skips",
+    )
     parser.add_argument("--work-dir", type=Path, default=None)
     _torchrec_env.add_arguments(parser)
     args = parser.parse_args()
@@ -251,6 +325,8 @@ def main() -> None:
                     skipped.append(f"{optimizer}_{rows}")
                     continue
                 figures = measure_size(optimizer, rows, args, work)
+                if args.group is not None:
+                    figures["group"] = measure_group(optimizer, rows, args, work)
                 results[optimizer][rows] = figures
                 print(f"{optimizer} {rows:,} rows: {json.dumps(figures)}", flush=True)
     finally:
