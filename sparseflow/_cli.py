@@ -15,6 +15,8 @@
                    [--no-compilation-cache] [--input-timeout SECONDS]
                    [--agreement-tls-dir D] [--agreement-secret-file F]
   sparseflow convert-checkpoint --config C [--devices N] --checkpoint-dir D --out DIR
+  sparseflow predict --config C --checkpoint-dir D --data GLOB --out FILE [--keep KEY,...]
+                     [--fdo DIR] [--devices N]
   sparseflow --version
 
 `--config` takes a YAML file or the name of a shipped config (`demo`,
@@ -99,6 +101,13 @@ _COMMANDS = {
         "or partitions per device), without training",
         "sparseflow convert-checkpoint --config demo --devices 4 --checkpoint-dir ckpt --out ckpt4",
         "sparseflow._convert_checkpoint",
+    ),
+    "predict": _Command(
+        "score every record of a dataset, in order, with a run's newest checkpoint, into "
+        "Parquet, CSV or JSON Lines",
+        "sparseflow predict --config demo --checkpoint-dir ckpt --data runs/demo/data/eval "
+        "--out scores.parquet --keep request_id",
+        "sparseflow._predict_command",
     ),
 }
 
