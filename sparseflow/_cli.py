@@ -17,6 +17,7 @@
   sparseflow convert-checkpoint --config C [--devices N] --checkpoint-dir D --out DIR
   sparseflow predict --config C --checkpoint-dir D --data GLOB --out FILE [--keep KEY,...]
                      [--fdo DIR] [--devices N]
+  sparseflow export --config C --checkpoint-dir D --out DIR [--devices N]
   sparseflow --version
 
 `--config` takes a YAML file or the name of a shipped config (`demo`,
@@ -108,6 +109,12 @@ _COMMANDS = {
         "sparseflow predict --config demo --checkpoint-dir ckpt --data runs/demo/data/eval "
         "--out scores.parquet --keep request_id",
         "sparseflow._predict_command",
+    ),
+    "export": _Command(
+        "write a run's newest checkpoint as a folder that serves without the training code: "
+        "one array per table, a jax.export program, a TensorFlow SavedModel",
+        "sparseflow export --config demo --checkpoint-dir ckpt --out export",
+        "sparseflow._export_command",
     ),
 }
 

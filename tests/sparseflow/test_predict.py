@@ -6,95 +6,19 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax
 import numpy as np
 import pyarrow.csv
 import pyarrow.parquet
 import pytest
 import tensorflow as tf
 import yaml
-from train_cases import cli, write_data
+from predict_cases import PREDICTED_RECORDS as RECORDS
+from predict_cases import evaluation_scores, with_feature, write_records
+from train_cases import cli
 
-import embedding
 import pipelines
 import sparseflow
-from sparseflow import _dense_model, _predict, _train, load_config
-from sparseflow._steps import DenseInputs
-
-# Not a multiple of the global batch (512): the last batch is padded.
-RECORDS = 1100
-
-
-@pytest.fixture(scope="module")
-def trained(small_run):
-    """`(config, TrainResult, checkpoint dir)` of 4 pipelined steps of the small demo run."""
-    tmp, _, config, data = small_run
-    checkpoints = tmp / "predict-checkpoints"
-    result = _train.train(
-        config,
-        _train.TrainOptions(
-            data=data, steps=4, pipelined=True, checkpoint_dir=checkpoints, progress=False
-        ),
-    )
-    return config, result, checkpoints
-
-
-@pytest.fixture(scope="module")
-def records(small_run) -> list[bytes]:
-    tmp, _, config, _ = small_run
-    data = write_data(config, tmp / "predict-data", examples=RECORDS, seed=7)
-    return list(pipelines.read_records(pipelines.list_record_files(data)))
-
-
-def write_records(path, records: list[bytes]) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with pipelines.RecordFileWriter(path) as writer:
-        for record in records:
-            writer.write(record)
-    return str(path)
-
-
-def with_feature(record: bytes, key: str, feature: tf.train.Feature | None) -> bytes:
-    """`record` with `key` set to `feature` (None: removed)."""
-    example = tf.train.Example.FromString(record)
-    if feature is None:
-        del example.features.feature[key]
-    else:
-        example.features.feature[key].CopyFrom(feature)
-    return example.SerializeToString()
-
-
-def evaluation_scores(config, result, data: str, room: int | None = None) -> np.ndarray:
-    """The trainer's evaluation forward (`Stages.eval_logits` on its evaluation batches)
-    with the run's final parameters and tables: `float32[whole batches x batch]`.
-    `room`: every stack's limits, in place of the config's."""
-    mesh = _train.make_mesh(config.mesh.devices)
-    specs = embedding.prepare_feature_specs_for_training(
-        config.feature_specs, mesh.size, config.mesh.partitions_per_device
-    )
-    if room is not None:
-        limits = embedding.StackLimits(
-            max_ids_per_partition=room, max_unique_ids_per_partition=room
-        )
-        specs = embedding.set_stack_limits(
-            specs,
-            dict.fromkeys(embedding.stack_limits(specs), limits),
-            global_device_count=mesh.size,
-            num_sc_per_device=config.mesh.partitions_per_device,
-        )
-    options = _train.TrainOptions(data=data)
-    stages = _train.stages(config, specs, mesh, _dense_model.dense_model(config, specs, mesh))
-    scores = []
-    with _train._iterator(config, options, specs, mesh, data, training=False) as batches:
-        for batch in batches:
-            out = stages.eval_logits(
-                result.train_state.params,
-                result.embedding_variables,
-                batch.sparse,
-                DenseInputs(batch.dense, batch.labels),
-            )
-            scores.append(np.asarray(jax.device_get(out)))
-    return np.concatenate(scores)
+from sparseflow import _predict, _train, load_config
 
 
 def test_predict_scores_every_record_in_order_as_the_trainers_evaluation(
