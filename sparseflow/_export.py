@@ -29,7 +29,7 @@ from jax import export as jax_export
 
 import embedding
 import pipelines
-from sparseflow import _dense_model, _predict, _train
+from sparseflow import _dense_model, _predict, _train, retrieval
 from sparseflow._errors import UsageError
 from sparseflow._saved_model import write_saved_model
 from sparseflow.config._run_config import RunConfig
@@ -61,9 +61,13 @@ def export_model(
       out: an empty or new folder.
       model: the Flax NNX model class the run trained in place of `model.module`.
 
+    A model whose outputs are not one logit per example (a two-tower
+    retrieval model) has no forward to export: the item tower's vectors of
+    every item are written instead (`TrainedTwoTower.every_item`).
+
     Raises:
-      UsageError: `out` is not empty; no checkpoint; a model whose outputs
-        are not one logit per example.
+      UsageError: `out` is not empty; no checkpoint; a model neither of
+        logits nor of two towers.
       CheckpointMismatchError: the checkpoint is of another config.
     """
     out = Path(out)
@@ -74,11 +78,6 @@ def export_model(
         config.feature_specs, mesh.size, config.mesh.partitions_per_device
     )
     dense_model = _dense_model.dense_model(config, specs, mesh, model_class=model)
-    if not dense_model.per_example_logits:
-        raise UsageError(
-            "The model's outputs are not one logit per example; sparseflow export writes the "
-            "forward of such models only."
-        )
     snapshot = _predict.restore(config, mesh, dense_model, Path(checkpoint_dir))
     tables = embedding.gather_tables(
         {name: variables.table for name, variables in snapshot.arrays["tables"].items()},
@@ -88,8 +87,14 @@ def export_model(
     )
     # On the host: the program holds them as constants, not as arrays of the mesh.
     params = jax.tree.map(np.asarray, snapshot.arrays["state"].params)
-    forward = serving_forward(specs, dense_model, params)
-    _write(out, config, specs, tables, params, forward, snapshot.step)
+    manifest = _manifest_of(config, specs, tables, snapshot.step)
+    _write_tables(out, tables, params)
+    if dense_model.per_example_logits:
+        _write_forward(out, config, specs, tables, serving_forward(specs, dense_model, params))
+        manifest.update(forward=_manifest.FORWARD_NAME, saved_model=_manifest.SAVED_MODEL_DIR)
+    else:
+        manifest.update(items=_write_items(out, config, dense_model, snapshot.arrays))
+    (out / _manifest.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     _log.info("Exported the checkpoint at step %d to %s.", snapshot.step, out)
     return Exported(snapshot.step, out)
 
@@ -128,7 +133,8 @@ def _abstract_inputs(tables: Mapping[str, np.ndarray], features, num_dense: int)
     )
 
 
-def _write(out: Path, config: RunConfig, specs, tables, params, forward, step: int) -> None:
+def _write_tables(out: Path, tables: Mapping[str, np.ndarray], params: Any) -> None:
+    """Every table as one array, and the dense parameters by their path in the tree."""
     (out / _manifest.TABLES_DIR).mkdir(parents=True)
     for name, values in tables.items():
         np.save(out / _manifest.TABLES_DIR / f"{name}.npy", values)
@@ -137,20 +143,47 @@ def _write(out: Path, config: RunConfig, specs, tables, params, forward, step: i
         out / _manifest.DENSE_PARAMS_NAME,
         **{jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves},
     )
+
+
+def _write_forward(out: Path, config: RunConfig, specs, tables, forward: Forward) -> None:
+    """The forward as a `jax.export` program and as a SavedModel, both without the CPU
+    kernels' custom calls."""
     features = sorted(specs)
-    inputs = _abstract_inputs(tables, features, config.layout.num_dense_features)
+    num_dense = config.layout.num_dense_features
+    inputs = _abstract_inputs(tables, features, num_dense)
     with embedding.without_cpu_kernels():
         program = jax_export.export(jax.jit(forward))(*inputs)
-        write_saved_model(
-            out / _manifest.SAVED_MODEL_DIR,
-            forward,
-            tables,
-            features,
-            config.layout.num_dense_features,
-        )
+        write_saved_model(out / _manifest.SAVED_MODEL_DIR, forward, tables, features, num_dense)
     (out / _manifest.FORWARD_NAME).write_bytes(program.serialize())
-    manifest = _manifest_of(config, specs, tables, step)
-    (out / _manifest.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _write_items(out: Path, config: RunConfig, dense_model: Any, arrays: dict) -> dict:
+    """A retrieval model's item tower on every item: their ids and vectors, for an
+    approximate nearest neighbour index; returns their manifest entry.
+
+    Raises:
+      UsageError: the model is no two-tower model, or its item tower reads
+        several features.
+    """
+    if not hasattr(dense_model, "graphdef"):
+        raise UsageError(
+            "The model's outputs are not one logit per example and it is no two-tower model; "
+            "sparseflow export writes the forward of logit models and the item vectors of "
+            "two-tower models."
+        )
+    towers = retrieval.TrainedTwoTower.of_arrays(
+        config, dense_model, arrays["state"].params, arrays["tables"]
+    )
+    ids, vectors = towers.every_item()
+    (out / _manifest.ITEMS_DIR).mkdir()
+    np.save(out / _manifest.ITEM_IDS, ids)
+    np.save(out / _manifest.ITEM_VECTORS, vectors)
+    return {
+        "feature": towers.model.item_features[0],
+        "ids": _manifest.ITEM_IDS,
+        "vectors": _manifest.ITEM_VECTORS,
+        "shape": list(vectors.shape),
+    }
 
 
 def _manifest_of(config: RunConfig, specs, tables, step: int) -> dict:
@@ -191,9 +224,9 @@ def _manifest_of(config: RunConfig, specs, tables, step: int) -> dict:
             "columns": [_dense_column(c) for c in config.layout.schema.dense],
         },
         "dense_params": _manifest.DENSE_PARAMS_NAME,
-        "forward": _manifest.FORWARD_NAME,
-        "saved_model": _manifest.SAVED_MODEL_DIR,
-        "output": "float32[batch] logits",
+        "forward": None,
+        "saved_model": None,
+        "items": None,
     }
 
 

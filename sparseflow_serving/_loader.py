@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from jax import export
 
-from sparseflow_serving._manifest import FORMAT_VERSION, FORWARD_NAME, MANIFEST_NAME
+from sparseflow_serving._manifest import FORMAT_VERSION, MANIFEST_NAME
 
 
 class ExportedModel:
@@ -22,9 +22,27 @@ class ExportedModel:
       tables: `float32[vocabulary_size, dim]` by table name, rows in vocabulary order.
     """
 
-    def __init__(self, manifest: dict, tables: dict[str, np.ndarray], forward: export.Exported):
+    def __init__(
+        self,
+        directory: Path,
+        manifest: dict,
+        tables: dict[str, np.ndarray],
+        forward: export.Exported | None,
+    ):
+        self._directory = directory
         self.manifest, self.tables, self._forward = manifest, tables, forward
         self._features = {feature["name"]: feature for feature in manifest["features"]}
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """A two-tower model's `(int64[n] ids, float32[n, dim] vectors)` of every item.
+
+        Raises:
+          ValueError: the export is of a model of logits, which has no items.
+        """
+        items = self.manifest.get("items")
+        if items is None:
+            raise ValueError("This export is of a model of logits: it holds no item vectors.")
+        return np.load(self._directory / items["ids"]), np.load(self._directory / items["vectors"])
 
     def score(
         self,
@@ -47,9 +65,15 @@ class ExportedModel:
           `float32[batch]`.
 
         Raises:
-          ValueError: a feature missing or unknown, an id out of its table, or
-            a batch size that differs between the inputs.
+          ValueError: a feature missing or unknown, an id out of its table, a
+            batch size that differs between the inputs, or an export of item
+            vectors only.
         """
+        if self._forward is None:
+            raise ValueError(
+                "This export is of a two-tower model: it holds its item vectors (items()), "
+                "no forward to score with."
+            )
         dense = np.asarray(dense, np.float32)
         weights = dict(weights or {})
         unknown = sorted(set(ids) - set(self._features))
@@ -107,5 +131,7 @@ def load_exported(directory: str | os.PathLike) -> ExportedModel:
     tables = {
         name: np.load(directory / table["file"]) for name, table in manifest["tables"].items()
     }
-    forward = export.deserialize(bytearray((directory / FORWARD_NAME).read_bytes()))
-    return ExportedModel(manifest, tables, forward)
+    forward = manifest.get("forward")
+    if forward is not None:
+        forward = export.deserialize(bytearray((directory / forward).read_bytes()))
+    return ExportedModel(directory, manifest, tables, forward)
