@@ -106,14 +106,15 @@ _COMMANDS = {
     "predict": _Command(
         "score every record of a dataset, in order, with a run's newest checkpoint, into "
         "Parquet, CSV or JSON Lines",
-        "sparseflow predict --config demo --checkpoint-dir ckpt --data runs/demo/data/eval "
-        "--out scores.parquet --keep request_id",
+        "sparseflow predict --config demo --checkpoint-dir runs/demo/demo_run/checkpoints "
+        "--data runs/demo/data/eval/arrayrecord --out scores.parquet --keep user_id",
         "sparseflow._predict_command",
     ),
     "export": _Command(
         "write a run's newest checkpoint as a folder that serves without the training code: "
         "one array per table, a jax.export program, a TensorFlow SavedModel",
-        "sparseflow export --config demo --checkpoint-dir ckpt --out export",
+        "sparseflow export --config demo --checkpoint-dir runs/demo/demo_run/checkpoints "
+        "--out export",
         "sparseflow._export_command",
     ),
 }
