@@ -23,11 +23,12 @@ one before (the forward is dispatched, and its result read a batch later).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
-import itertools
 import logging
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -84,6 +85,8 @@ class Predictions(NamedTuple):
       labels: `int32[records]`, each record's label; -1 where it has none
         (or is bad).
       bad_records: the dataset indices of the bad records skipped.
+      examples_per_s: records scored per second after the first batch (whose
+        time is mostly compiling the forward); NaN for a single batch.
       kept: per `PredictOptions.keep` key, each record's value (a scalar for
         one value, a list for several, None when absent).
     """
@@ -92,6 +95,7 @@ class Predictions(NamedTuple):
     scores: np.ndarray
     labels: np.ndarray
     bad_records: list[int]
+    examples_per_s: float
     kept: dict[str, list]
 
 
@@ -193,20 +197,21 @@ def _limits_of(snapshot: Snapshot, config: RunConfig, specs) -> Any:
 
 
 class _Scorer:
-    """The trainer's evaluation forward on the restored arrays, under the current specs."""
+    """The trainer's evaluation forward on the restored arrays, for batches laid out
+    under given specs (a program per specs, compiled on first use)."""
 
     def __init__(self, config: RunConfig, mesh: Mesh, dense_model: Any, arrays: dict, specs):
         self._config, self._mesh, self._dense_model = config, mesh, dense_model
         self._params, self._tables = arrays["state"].params, arrays["tables"]
-        self.use_specs(specs)
-
-    def use_specs(self, specs) -> None:
-        """Scores batches laid out under `specs` from now on (compiled on first use)."""
         self.specs = specs
-        self._stages = _train.stages(self._config, specs, self._mesh, self._dense_model)
+        self._stages = _train.stages(config, specs, mesh, dense_model)
 
-    def __call__(self, batch: pipelines.DeviceBatch) -> jax.Array:
-        """`float32[global_batch]` scores, dispatched (not waited for)."""
+    def __call__(self, batch: pipelines.DeviceBatch, specs) -> jax.Array:
+        """`float32[global_batch]` scores of `batch`, laid out under `specs`, dispatched
+        (not waited for)."""
+        if specs is not self.specs:
+            self.specs = specs
+            self._stages = _train.stages(self._config, specs, self._mesh, self._dense_model)
         return self._stages.eval_logits(
             self._params, self._tables, batch.sparse, DenseInputs(batch.dense, batch.labels)
         )
@@ -370,42 +375,84 @@ class _Scored(NamedTuple):
     scores: np.ndarray
     labels: np.ndarray
     bad_records: list[int]
+    examples_per_s: float
+
+
+class _Clock:
+    """Records scored per second after the first batch (whose time is mostly compiling)."""
+
+    def __init__(self):
+        self._first: float | None = None
+        self._records = 0
+
+    def scored(self, records: int) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+        else:
+            self._records += records
+            self._last = time.perf_counter()
+
+    def examples_per_s(self) -> float:
+        """NaN with fewer than two batches."""
+        if not self._records:
+            return float("nan")
+        return self._records / (self._last - self._first)
 
 
 def _score_all(config, options, mesh, reader, scorer: _Scorer, progress: bool) -> _Scored:
-    """Every record's score and label, batch by batch; a batch's forward runs while the
-    next is laid out."""
+    """Every record's score and label, batch by batch.
+
+    A helper thread lays out the next batch while this one dispatches the
+    forward of the current one and waits for the previous one's scores: the
+    host's parsing and layout (NumPy and Numba, which release the GIL) run
+    beside the devices' forward, as a Grain worker runs beside training.
+    """
     total = reader.files.num_records
     scores = np.full(total, np.nan, np.float32)
     labels = np.full(total, -1, np.int32)
-    specs = scorer.specs
-    preprocess = _preprocess_config(config, options, mesh, specs)
+    preprocess = _preprocess_config(config, options, mesh, scorer.specs)
     parser = _BatchParser(config, preprocess.layout, reader)
     batches = _limit_feedback.FeedbackIterator(
         lambda new: _Batches(parser, dataclasses.replace(preprocess, feature_specs=new), mesh),
-        specs,
+        scorer.specs,
         batch_stats=lambda new, number: parser.stats(
             dataclasses.replace(preprocess, feature_specs=new), number
         ),
-        on_new_specs=scorer.use_specs,
+        # The specs travel with each batch (`_drawn`) to the forward that scores it.
+        on_new_specs=lambda new: None,
         geometry=_train.fdo_geometry(config),
         headroom=config.training.fdo_headroom,
         record=None,
     )
     bar = tqdm.tqdm(total=total, unit="record", disable=None if progress else True)
-    pending = None
-    with batches:
-        for batch in itertools.chain(batches, [None]):
+    pending, clock = None, _Clock()
+    with batches, concurrent.futures.ThreadPoolExecutor(1) as helper:
+        drawn = helper.submit(_drawn, batches, parser)
+        while True:
+            current, drawn = drawn.result(), None
+            if current is not None:
+                drawn = helper.submit(_drawn, batches, parser)
+                batch, rows, specs = current
+                current = (scorer(batch, specs), rows)
             if pending is not None:
                 out, rows = pending
                 scores[rows.records] = np.asarray(out)[: rows.records.size]
                 labels[rows.records] = rows.labels
                 bar.update(rows.records.size)
-            pending = (
-                None if batch is None else (scorer(batch), parser.rows.pop(batch.batch_number))
-            )
+                clock.scored(rows.records.size)
+            if current is None:
+                break
+            pending = current
     bar.close()
-    return _Scored(scores, labels, sorted(parser.bad_records))
+    return _Scored(scores, labels, sorted(parser.bad_records), clock.examples_per_s())
+
+
+def _drawn(batches: _limit_feedback.FeedbackIterator, parser: _BatchParser):
+    """`(batch, its _Rows, the specs it is laid out under)`, or None after the last."""
+    batch = next(batches, None)
+    if batch is None:
+        return None
+    return batch, parser.rows.pop(batch.batch_number), batches.specs
 
 
 def _label_example(label: pipelines.LabelColumn) -> bytes:

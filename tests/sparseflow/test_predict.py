@@ -32,6 +32,7 @@ def test_predict_scores_every_record_in_order_as_the_trainers_evaluation(
     assert predictions.step == result.steps + 2  # pipelined: 4 batches in 6 calls
     assert predictions.scores.shape == (RECORDS,)
     assert predictions.bad_records == []
+    assert predictions.examples_per_s > 0  # 3 batches: 2 timed after the first
     # The evaluation drops the tail that does not fill a batch: it scores the
     # records again after the first ones, so that the tail falls in a batch.
     padded = records + records[: 3 * 512 - RECORDS]
