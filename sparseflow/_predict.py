@@ -17,8 +17,8 @@ left unread). Unlike training, every record is scored once:
 * a bad record stops the run naming it, or, with
   `preprocessing.on_bad_record: skip`, is logged, counted and given no score.
 
-One process: the host lays out the next batch while the devices score the
-one before (the forward is dispatched, and its result read a batch later).
+One process: a helper thread lays out the next batch while the devices
+score the current one (its forward dispatched, its scores read a batch later).
 """
 
 from __future__ import annotations
@@ -404,8 +404,8 @@ def _score_all(config, options, mesh, reader, scorer: _Scorer, progress: bool) -
 
     A helper thread lays out the next batch while this one dispatches the
     forward of the current one and waits for the previous one's scores: the
-    host's parsing and layout (NumPy and Numba, which release the GIL) run
-    beside the devices' forward, as a Grain worker runs beside training.
+    host's parsing and layout run beside the devices' forward, as a Grain
+    worker runs beside training.
     """
     total = reader.files.num_records
     scores = np.full(total, np.nan, np.float32)
