@@ -6,6 +6,8 @@ jax-tpu-embedding's names and signatures as aliases (docs/switching.md).
 
 from embedding import _optimizers, checks, fdo, initializers, jte_compat
 from embedding._buffers import aligned_empty
+from embedding._cpu_kernels import without_cpu_kernels
+from embedding._dense_lookup import dense_lookup
 from embedding._errors import SparseflowError
 from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._interaction import pairwise_dots
@@ -76,6 +78,7 @@ __all__ = [
     "aligned_empty",
     "apply_gradients",
     "coo_buffer_size_per_device",
+    "dense_lookup",
     "embedding_variables_shapes",
     "feature_dims",
     "gather_tables",
@@ -94,4 +97,5 @@ __all__ = [
     "sparse_dense_matmul",
     "stack_tables",
     "table_key",
+    "without_cpu_kernels",
 ]

@@ -55,6 +55,8 @@ in the CPU kernels' design").
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -255,10 +257,25 @@ def _registered() -> bool:
     return True
 
 
+# Set inside `without_cpu_kernels`.
+_OFF = contextvars.ContextVar("sparseflow_cpu_kernels_off", default=False)
+
+
+@contextlib.contextmanager
+def without_cpu_kernels():
+    """Programs traced inside it use XLA's operations, never the kernels: for a program
+    that runs elsewhere (`jax.export`, `jax2tf`), which cannot carry their custom calls."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
 def enabled(platform: str) -> bool:
     """Whether the lookup on `platform` uses the kernels: on CPU, unless
-    `SPARSEFLOW_CPU_KERNELS=0`, when they build and load."""
-    if platform != "cpu" or os.environ.get("SPARSEFLOW_CPU_KERNELS", "1") == "0":
+    `SPARSEFLOW_CPU_KERNELS=0` or inside `without_cpu_kernels`, when they build and load."""
+    if platform != "cpu" or os.environ.get("SPARSEFLOW_CPU_KERNELS", "1") == "0" or _OFF.get():
         return False
     return _registered()
 

@@ -7,6 +7,7 @@ this package only wires them together for a run described by a YAML config.
 # First: it sets the logging environment before the imports below load TensorFlow and Beam.
 from sparseflow import _quiet_imports  # noqa: F401
 from sparseflow._errors import SparseflowError, UsageError
+from sparseflow._predict import Predictions, PredictOptions, predict
 from sparseflow._shipped_configs import shipped_config, shipped_config_names
 from sparseflow._train import TrainResult
 from sparseflow._trainer import Trainer
@@ -24,6 +25,8 @@ __all__ = [
     "ConfigError",
     "DatasetConfig",
     "MeshConfig",
+    "PredictOptions",
+    "Predictions",
     "PreprocessingConfig",
     "RunConfig",
     "SparseflowError",
@@ -32,6 +35,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "load_config",
+    "predict",
     "shipped_config",
     "shipped_config_names",
 ]

@@ -108,3 +108,8 @@ def add_optional_config_argument(parser: argparse.ArgumentParser) -> None:
         help=f"a YAML file or a shipped config's name ({', '.join(shipped_config_names())}; "
         f"default: {DEFAULT_CONFIG})",
     )
+
+
+def add_checkpoint_dir_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--checkpoint-dir D`, required: a run's checkpoints, which the command only reads."""
+    parser.add_argument("--checkpoint-dir", type=Path, required=True, help=what)

@@ -76,12 +76,16 @@ class Reading(NamedTuple):
       adapt: turns the restored snapshot into this run's (e.g. lays tables
         out for this mesh); by default it is this run's as it is.
       refusal: why this run cannot take the checkpoint at all, or None.
+      partial: read only the top-level items of `like` (e.g. the dense state
+        and the tables of a pipelined run's checkpoint, not its batches in
+        flight), leaving the checkpoint's other items unread.
     """
 
     run: Mapping[str, Any] | None
     like: Any
     adapt: Callable[[Snapshot], Snapshot] = lambda snapshot: snapshot
     refusal: str | None = None
+    partial: bool = False
 
 
 ReadAs = Callable[[dict, Any], Reading | None]
@@ -322,8 +326,13 @@ class Checkpoints:
             return None, damage
         position = _Position()
         try:
-            restored = self._arrays_handler.restore(
-                step_directory / "arrays", args=ocp.args.StandardRestore(_abstract(reading.like))
+            arrays_directory, abstract = step_directory / "arrays", _abstract(reading.like)
+            restored = (
+                _restore_partially(arrays_directory, abstract)
+                if reading.partial
+                else self._arrays_handler.restore(
+                    arrays_directory, args=ocp.args.StandardRestore(abstract)
+                )
             )
             inspected_elsewhere = self._run is None and jax.process_count() not in _input_processes(
                 step_directory
@@ -418,9 +427,10 @@ def _mismatch(
         found = _run_identity.differences(metadata["run"], run)
         if found:
             return f"was written by another run: {_run_identity.describe(found)}"
-    found = _run_identity.differences(
-        metadata.get("arrays_layout", {}), _run_identity.array_layout(reading.like), "arrays"
-    )
+    saved = metadata.get("arrays_layout", {})
+    if reading.partial:
+        saved = {path: layout for path, layout in saved.items() if path.startswith(_items(reading))}
+    found = _run_identity.differences(saved, _run_identity.array_layout(reading.like), "arrays")
     if found:
         return f"holds other arrays than this run: {_run_identity.describe(found)}"
     counts = _input_processes(step_directory) if resuming else set()
@@ -452,6 +462,21 @@ def _recover_from_crash(directory: Path) -> None:
             shutil.rmtree(entry)
         else:
             os.rename(entry, step)
+
+
+def _items(reading: Reading) -> tuple[str, ...]:
+    """The path prefixes (`['state']`) of the top-level items `reading.like` holds."""
+    return tuple(jax.tree_util.keystr((jax.tree_util.DictKey(key),)) for key in reading.like)
+
+
+def _restore_partially(directory: Path, abstract: Any) -> Any:
+    """The arrays of `abstract` (shapes, dtypes, shardings) from a step's `arrays` item,
+    which may hold more."""
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
+    return ocp.PyTreeCheckpointHandler().restore(
+        directory,
+        args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True),
+    )
 
 
 def _abstract(tree: Any) -> Any:

@@ -15,6 +15,9 @@
                    [--no-compilation-cache] [--input-timeout SECONDS]
                    [--agreement-tls-dir D] [--agreement-secret-file F]
   sparseflow convert-checkpoint --config C [--devices N] --checkpoint-dir D --out DIR
+  sparseflow predict --config C --checkpoint-dir D --data GLOB --out FILE [--keep KEY,...]
+                     [--fdo DIR] [--devices N]
+  sparseflow export --config C --checkpoint-dir D --out DIR [--devices N]
   sparseflow --version
 
 `--config` takes a YAML file or the name of a shipped config (`demo`,
@@ -99,6 +102,20 @@ _COMMANDS = {
         "or partitions per device), without training",
         "sparseflow convert-checkpoint --config demo --devices 4 --checkpoint-dir ckpt --out ckpt4",
         "sparseflow._convert_checkpoint",
+    ),
+    "predict": _Command(
+        "score every record of a dataset, in order, with a run's newest checkpoint, into "
+        "Parquet, CSV or JSON Lines",
+        "sparseflow predict --config demo --checkpoint-dir runs/demo/demo_run/checkpoints "
+        "--data runs/demo/data/eval/arrayrecord --out scores.parquet --keep user_id",
+        "sparseflow._predict_command",
+    ),
+    "export": _Command(
+        "write a run's newest checkpoint as a folder that serves without the training code: "
+        "one array per table, a jax.export program, a TensorFlow SavedModel",
+        "sparseflow export --config demo --checkpoint-dir runs/demo/demo_run/checkpoints "
+        "--out export",
+        "sparseflow._export_command",
     ),
 }
 

@@ -24,7 +24,7 @@ import argparse
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -32,12 +32,16 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparseflow import _mesh_change, _run_identity
-from sparseflow._arguments import add_config_argument, add_devices_argument
+from sparseflow._arguments import (
+    add_checkpoint_dir_argument,
+    add_config_argument,
+    add_devices_argument,
+)
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
 from sparseflow._dense_model import dense_model
 from sparseflow._errors import UsageError
-from sparseflow._train import dense_state
+from sparseflow._train import abstract_dense_state
 from sparseflow.config._mesh import MeshConfig
 from sparseflow.config._run_config import RunConfig
 
@@ -88,7 +92,9 @@ def convert_checkpoint(config: RunConfig, source: str | Path, out: str | Path) -
     device = Mesh(np.array(jax.local_devices(backend="cpu")[:1]), ("devices",))
     checkpoints = Checkpoints(source, run=None, read_only=True)
     try:
-        snapshot = checkpoints.restore_latest(None, read_as=_Reader(config, device))
+        snapshot = checkpoints.restore_latest(
+            None, read_as=_mesh_change.from_any_mesh(config, _Reader(config, device))
+        )
     finally:
         checkpoints.close()
     written = _mesh_change.on_mesh(config, *_mesh_change.written_mesh(snapshot.metadata))
@@ -109,12 +115,9 @@ class _Reader:
     def __init__(self, config: RunConfig, device: Mesh):
         self._config, self._device = config, device
 
-    def __call__(self, metadata: dict, like: Any) -> Reading:
-        del like  # the shapes come from the config on the checkpoint's mesh
-        if _mesh_change.written_mesh(metadata) is None:
-            return Reading(None, {}, refusal="records no mesh (an earlier sparseflow wrote it)")
+    def __call__(self, written: RunConfig, metadata: dict) -> Reading:
+        """How to read a checkpoint of `written` (this run's config on its mesh)."""
         run = metadata["run"]
-        written = _mesh_change.on_mesh(self._config, *_mesh_change.written_mesh(metadata))
         expected = dict(
             _run_identity.layout_identity(
                 written, pipelined=False, processes=run["mesh"]["processes"]
@@ -132,15 +135,10 @@ class _Reader:
             )
         whole = NamedSharding(self._device, PartitionSpec())
         like = {
-            "state": jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
-                jax.eval_shape(
-                    lambda: dense_state(
-                        self._config,
-                        dense_model(self._config, self._config.feature_specs, self._device),
-                        jax.random.key(0),
-                    )
-                ),
+            "state": abstract_dense_state(
+                self._config,
+                dense_model(self._config, self._config.feature_specs, self._device),
+                whole,
             ),
             "tables": _mesh_change.saved_tables(written, self._device),
         }
@@ -189,11 +187,9 @@ def _write(snapshot: Snapshot, step_folder: Path, out: Path, metadata: dict) -> 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(parser, "the run's YAML config on the mesh to convert for")
     add_devices_argument(parser)
-    parser.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        required=True,
-        help="the run's checkpoints (only read: the run may still be writing them)",
+    add_checkpoint_dir_argument(
+        parser,
+        "the run's checkpoints (only read: the run may still be writing them)",
     )
     parser.add_argument(
         "--out", type=Path, required=True, help="an empty or new folder for the converted one"

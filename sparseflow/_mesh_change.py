@@ -44,6 +44,23 @@ def written_mesh(metadata: Mapping[str, Any]) -> tuple[int, int] | None:
     return None if mesh is None else (mesh["devices"], mesh["partitions_per_device"])
 
 
+def from_any_mesh(
+    config: RunConfig, reading: Callable[[RunConfig, dict], Reading]
+) -> Callable[[dict, Any], Reading]:
+    """A `read_as` of `Checkpoints.restore_latest` for checkpoints of `config`'s run on any
+    mesh: `reading(config on the checkpoint's mesh, its metadata)`; a checkpoint that
+    records no mesh is refused."""
+
+    def read_as(metadata: dict, like: Any) -> Reading:
+        del like  # the shapes come from the config on the checkpoint's mesh
+        written = written_mesh(metadata)
+        if written is None:
+            return Reading(None, {}, refusal="records no mesh (an earlier sparseflow wrote it)")
+        return reading(on_mesh(config, *written), metadata)
+
+    return read_as
+
+
 def written_here(metadata: Mapping[str, Any], config: RunConfig) -> bool:
     """Whether a checkpoint was written on this run's mesh (or records no mesh)."""
     written = written_mesh(metadata)

@@ -382,14 +382,7 @@ class _Run:
     def use_specs(self, specs) -> None:
         """Lays batches out under `specs` from now on (a new step, compiled on first use)."""
         self.specs = specs
-        self.stages = Stages(
-            feature_specs=specs,
-            mesh=self.mesh,
-            optimizer=_model.dense_optimizer(self.config.model),
-            enable_minibatching=self.config.preprocessing.enable_minibatching,
-            pipeshard=self.config.model.pipeshard,
-            dense_model=self.dense_model,
-        )
+        self.stages = stages(self.config, specs, self.mesh, self.dense_model)
         self.pipelined_step = _pipelined_step(self.stages) if self.pipelined else None
 
     def arrays(self) -> dict[str, Any]:
@@ -433,9 +426,28 @@ class _Run:
         return _model.roc_auc(labels, logits)
 
 
+def stages(config: RunConfig, specs, mesh: Mesh, dense_model) -> Stages:
+    """The stage functions of `config`'s run with `dense_model` on batches laid out under `specs`
+    (`Stages.eval_logits` is the evaluation's forward)."""
+    return Stages(
+        feature_specs=specs,
+        mesh=mesh,
+        optimizer=_model.dense_optimizer(config.model),
+        enable_minibatching=config.preprocessing.enable_minibatching,
+        pipeshard=config.model.pipeshard,
+        dense_model=dense_model,
+    )
+
+
 def dense_state(config: RunConfig, dense_model, key: jax.Array) -> TrainState:
     """The dense model's initial parameters, optimizer state and step."""
     return init_train_state(key, dense_model, _model.dense_optimizer(config.model))
+
+
+def abstract_dense_state(config: RunConfig, dense_model, sharding) -> TrainState:
+    """The shapes and dtypes of `dense_state`, each with `sharding` (to restore it into)."""
+    shapes = jax.eval_shape(lambda: dense_state(config, dense_model, jax.random.key(0)))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
 
 
 def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):

@@ -5,7 +5,7 @@ import pkgutil
 
 import pytest
 
-TOP_LEVEL = ["embedding", "parallel", "pipelines", "beam_jobs", "sparseflow"]
+TOP_LEVEL = ["embedding", "parallel", "pipelines", "beam_jobs", "sparseflow", "sparseflow_serving"]
 
 
 def _packages() -> list[str]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 from flax import nnx
 from numpy.typing import ArrayLike
 
 import embedding
-from sparseflow import _dense_model, _train
+from sparseflow import _dense_model, _predict, _train
 from sparseflow._errors import UsageError
 from sparseflow.config import RunConfig
 from sparseflow.retrieval._ids import row_ids
@@ -46,13 +47,33 @@ class TrainedTwoTower:
         """
         mesh = _train.make_mesh(config.mesh.devices)
         model = _dense_model.dense_model(config, config.feature_specs, mesh)
-        merged = nnx.merge(model.graphdef, model.embedding_state, result.train_state.params)
+        return cls.of_arrays(config, model, result.train_state.params, result.embedding_variables)
+
+    @classmethod
+    def from_checkpoint(cls, config: RunConfig, checkpoint_dir: str | Path) -> TrainedTwoTower:
+        """The towers of the newest readable checkpoint of `config`'s run in `checkpoint_dir`.
+
+        Raises:
+          UsageError: the config's model is not a two-tower model, or there is
+            no checkpoint; the errors of `sparseflow predict`'s restore.
+        """
+        mesh = _train.make_mesh(config.mesh.devices)
+        model = _dense_model.dense_model(config, config.feature_specs, mesh)
+        arrays = _predict.restore(config, mesh, model, Path(checkpoint_dir)).arrays
+        return cls.of_arrays(config, model, arrays["state"].params, arrays["tables"])
+
+    @classmethod
+    def of_arrays(cls, config: RunConfig, model, params, variables) -> TrainedTwoTower:
+        """The towers of `model` (the run's `_dense_model`) with `params`, over the tables
+        of `variables` (`EmbeddingVariables` by stack, as a checkpoint holds them)."""
+        mesh = _train.make_mesh(config.mesh.devices)
+        merged = nnx.merge(model.graphdef, model.embedding_state, params)
         if not all(hasattr(merged, name) for name in ("user_vectors", "item_vectors")):
             raise UsageError(
                 f"model.module {config.model.module!r} has no user_vectors and item_vectors; "
                 "TrainedTwoTower runs a two-tower model (sparseflow.towers:TwoTower)."
             )
-        stacks = {name: v.table for name, v in result.embedding_variables.items()}
+        stacks = {name: v.table for name, v in variables.items()}
         by_table = embedding.gather_tables(
             stacks, config.feature_specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
         )
@@ -60,6 +81,23 @@ class TrainedTwoTower:
         tables = {name: by_table[spec.table_spec.name] for name, spec in specs.items()}
         combiners = {name: spec.table_spec.combiner for name, spec in specs.items()}
         return cls(merged, tables, combiners)
+
+    def every_item(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(int64[n] ids, float32[n, dim] vectors)`: the item tower on every row of its one
+        feature's table (row j: item id j), for an approximate nearest neighbour index.
+
+        Raises:
+          UsageError: the item tower reads several features (an item is then
+            more than one table's row: `item_vectors` of the items' ids).
+        """
+        features = self.model.item_features
+        if len(features) != 1:
+            raise UsageError(
+                f"The item tower reads {list(features)}; every item's vector is the tower on "
+                "each row of one feature's table, so give each item's ids to item_vectors."
+            )
+        ids = np.arange(len(self.tables[features[0]]), dtype=np.int64)
+        return ids, self.item_vectors({features[0]: ids})
 
     def user_vectors(self, ids: Mapping[str, ArrayLike]) -> np.ndarray:
         """`float32[n, dim]`: the user tower on `ids`, per user feature `int[n]`

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import embedding
-from embedding import _interaction
+from embedding import _cpu_kernels, _interaction
 
 
 def _float64_reference(vectors: list[np.ndarray], weights: np.ndarray):
@@ -87,3 +87,17 @@ def test_other_dtypes_take_xla_path():
     dots = embedding.pairwise_dots(vectors)
     assert dots.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(dots, np.float32), np.full((4, 1), 4.0))
+
+
+def test_a_program_traced_without_the_cpu_kernels_holds_no_custom_call():
+    """What `jax.export` and `jax2tf` need of an exported forward."""
+    x = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+
+    def lowered() -> str:
+        # A new function each time: jit would reuse the first trace.
+        return jax.jit(lambda a, b, c: embedding.pairwise_dots([a, b, c])).lower(x, x, x).as_text()
+
+    with embedding.without_cpu_kernels():
+        assert "custom_call" not in lowered()
+    if _cpu_kernels.enabled("cpu"):  # and with them, on CPU, the kernel's call is there
+        assert "custom_call" in lowered()

@@ -19,8 +19,9 @@ from train_cases import assert_bitwise_equal_runs, cli
 import embedding
 import pipelines
 import sparseflow
+import sparseflow_serving
 from embedding import nnx as enx
-from sparseflow import _train, retrieval, shipped_config, towers
+from sparseflow import _export, _train, retrieval, shipped_config, towers
 
 NUM_USERS, NUM_ITEMS, CLUSTERS = 240, 480, 8
 
@@ -357,3 +358,26 @@ def test_a_two_tower_run_resumes_bitwise_after_a_crash(planted, tmp_path, pipeli
         config, _train.TrainOptions(**options, checkpoint_dir=checkpoints, resume=True)
     )
     assert_bitwise_equal_runs(resumed, whole)
+
+
+def test_the_export_holds_every_items_vector_of_the_checkpoint(planted, tmp_path):
+    config, records, _ = planted
+    checkpoints = tmp_path / "checkpoints"
+    result = sparseflow.Trainer(config).fit(
+        records, steps=4, checkpoint_dir=checkpoints, progress=False
+    )
+    exported = _export.export_model(config, checkpoints, tmp_path / "export")
+    model = sparseflow_serving.load_exported(exported.path)
+    ids, vectors = model.items()
+    assert model.manifest["items"]["feature"] == "item_id"
+    vocabulary = config.tables["items"].vocabulary_size
+    np.testing.assert_array_equal(ids, np.arange(vocabulary))
+    # The item tower of the run's end on every row of the items table, in float64 numpy.
+    trained = retrieval.TrainedTwoTower.from_result(config, result)
+    np.testing.assert_array_equal(model.tables["items"], trained.tables["item_id"])
+    items = np.asarray(model.tables["items"], np.float64)
+    np.testing.assert_allclose(
+        vectors, _numpy_tower(trained.model.item_tower, items), rtol=1e-4, atol=1e-5
+    )
+    with pytest.raises(ValueError, match="two-tower model"):
+        model.score({}, np.zeros((1, 1)))
