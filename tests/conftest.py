@@ -15,10 +15,15 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 # The commands' compiled programs go to this session's own cache folder (the
 # processes the tests start inherit it): never to the user's, and no test
-# depends on what an earlier session left there.
-_CACHE = tempfile.mkdtemp(prefix="sparseflow-test-compilation-cache-")
-os.environ["SPARSEFLOW_COMPILATION_CACHE"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# depends on what an earlier session left there. pytest-xdist's workers
+# inherit the controller's environment, so they share its folder (a program
+# one worker's commands compiled, another's load), and the controller, which
+# outlives them, removes it.
+_SESSION_CACHE = "SPARSEFLOW_TEST_SESSION_COMPILATION_CACHE"
+if _SESSION_CACHE not in os.environ:
+    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="sparseflow-test-compilation-cache-")
+    atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
+os.environ["SPARSEFLOW_COMPILATION_CACHE"] = os.environ[_SESSION_CACHE]
 
 try:
     from absl import flags
