@@ -36,6 +36,7 @@ from sparseflow._arguments import add_config_argument, add_devices_argument
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
 from sparseflow._dense_model import dense_model
+from sparseflow._dict_params import reading_dict_params
 from sparseflow._errors import UsageError
 from sparseflow._train import dense_state
 from sparseflow.config._mesh import MeshConfig
@@ -88,7 +89,8 @@ def convert_checkpoint(config: RunConfig, source: str | Path, out: str | Path) -
     device = Mesh(np.array(jax.local_devices(backend="cpu")[:1]), ("devices",))
     checkpoints = Checkpoints(source, run=None, read_only=True)
     try:
-        snapshot = checkpoints.restore_latest(None, read_as=_Reader(config, device))
+        read_as = reading_dict_params(_Reader(config, device), None)
+        snapshot = checkpoints.restore_latest(None, read_as=read_as)
     finally:
         checkpoints.close()
     written = _mesh_change.on_mesh(config, *_mesh_change.written_mesh(snapshot.metadata))
@@ -137,7 +139,7 @@ class _Reader:
                 jax.eval_shape(
                     lambda: dense_state(
                         self._config,
-                        dense_model(self._config, self._config.feature_specs, self._device),
+                        dense_model(self._config, self._device),
                         jax.random.key(0),
                     )
                 ),

@@ -45,8 +45,8 @@ class TrainedTwoTower:
           UsageError: the config's model is not a two-tower model.
         """
         mesh = _train.make_mesh(config.mesh.devices)
-        model = _dense_model.dense_model(config, config.feature_specs, mesh)
-        merged = nnx.merge(model.graphdef, model.embedding_state, result.train_state.params)
+        model = _dense_model.dense_model(config, mesh)
+        merged = model.merged(result.train_state.params)
         if not all(hasattr(merged, name) for name in ("user_vectors", "item_vectors")):
             raise UsageError(
                 f"model.module {config.model.module!r} has no user_vectors and item_vectors; "
