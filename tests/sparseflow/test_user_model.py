@@ -191,6 +191,18 @@ def test_the_shipped_towers_first_step_is_the_functional_step(small_run, model):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_pipeshard_with_a_model_of_ones_own_is_refused_naming_the_layer_marks(small_run):
+    config = _config(small_run, "piped-user", {"pipeshard": {"stages": 2, "microbatches": 2}})
+    mesh = _train.make_mesh(config.mesh.devices)
+    with pytest.raises(UsageError, match="pipeline boundaries that sparseflow._model.forward"):
+        _dense_model.dense_model(config, mesh, model_class=user_models.LinearModel)
+    # The config's own tower takes it, and counts its layers: the bottom MLP's,
+    # the top MLP's and the final one.
+    tower = _dense_model.dense_model(config, mesh)
+    layers = len(config.model.bottom_mlp) + len(config.model.top_mlp) + 1
+    assert tower.merged(tower.init(jax.random.key(0))).num_layers() == layers
+
+
 def test_a_user_models_run_resumes_exactly_from_its_checkpoint(small_run):
     tmp, _, _, data = small_run
     config = _config(small_run, "resumed", {"module": "user_models:LinearModel"})
