@@ -82,7 +82,8 @@ def main() -> None:
         "run_s": returned - STARTED,
         "train_s": returned - entered,
         "loop_s": result.seconds,
-        "feature_projection": bool(params.get("project")),
+        # The tower's nnx.State: its nnx.Params under `params`.
+        "feature_projection": "project" in params["params"],
         "compilation_cache": None if cache is None else str(cache),
         "limits": {name: limits.max_ids_per_partition for name, limits in result.limits.items()},
         "input_wait_seconds": result.input_wait_seconds,

@@ -33,9 +33,9 @@ into `--data-dir` and reused, as everything below that is not timed.
 
 Each round runs TorchRec, ours on 1 device, ours on 1 device with the same
 DLRM as a user's Flax NNX model on the `embedding.nnx` layer (`model.module:
-sparseflow.towers:Dlrm`, its `args` the config's tower keys; the functional
-run's FDO stats) and ours on 8 devices (`--no-8dev` skips it), every other
-round in reverse order. A step of ours is a call of
+sparseflow.towers:Dlrm`, its `args` the config's tower keys, the module
+`model.tower` runs too; the tower run's FDO stats) and ours on 8 devices
+(`--no-8dev` skips it), every other round in reverse order. A step of ours is a call of
 the trainer's loop plus the loop's wait for that call's batch
 (`TrainResult.input_wait_seconds`; the wait falls outside the call); a step
 of TorchRec is zero_grad, forward, loss, backward and the optimizer step. Per
@@ -100,8 +100,8 @@ LOSS_WINDOW = 20
 CACHE_RUN_STEPS = 5
 COMPILATION_CACHE = "SPARSEFLOW_COMPILATION_CACHE"
 DEVICES = {"ours": 1, "ours_nnx": 1, "ours_8dev": 8}
-# The shipped DLRM as a user's NNX model (`model.module`) on the layer, in
-# place of the config's functional tower: the same model, the other path.
+# The shipped DLRM named as a user's NNX model (`model.module`) in place of
+# the config's `model.tower`: the same module, given the other way.
 NNX_DLRM = "sparseflow.towers:Dlrm"
 
 

@@ -40,6 +40,7 @@ from sparseflow._arguments import (
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
 from sparseflow._dense_model import dense_model
+from sparseflow._dict_params import reading_dict_params
 from sparseflow._errors import UsageError
 from sparseflow._train import abstract_dense_state
 from sparseflow.config._mesh import MeshConfig
@@ -92,9 +93,8 @@ def convert_checkpoint(config: RunConfig, source: str | Path, out: str | Path) -
     device = Mesh(np.array(jax.local_devices(backend="cpu")[:1]), ("devices",))
     checkpoints = Checkpoints(source, run=None, read_only=True)
     try:
-        snapshot = checkpoints.restore_latest(
-            None, read_as=_mesh_change.from_any_mesh(config, _Reader(config, device))
-        )
+        read_as = _mesh_change.from_any_mesh(config, _Reader(config, device))
+        snapshot = checkpoints.restore_latest(None, read_as=reading_dict_params(read_as, None))
     finally:
         checkpoints.close()
     written = _mesh_change.on_mesh(config, *_mesh_change.written_mesh(snapshot.metadata))
@@ -136,9 +136,7 @@ class _Reader:
         whole = NamedSharding(self._device, PartitionSpec())
         like = {
             "state": abstract_dense_state(
-                self._config,
-                dense_model(self._config, self._config.feature_specs, self._device),
-                whole,
+                self._config, dense_model(self._config, self._device), whole
             ),
             "tables": _mesh_change.saved_tables(written, self._device),
         }

@@ -1,18 +1,19 @@
 """The dense part of the recommender that the trainer's dense stage runs.
 
-Either a shipped tower (`model.tower`, `sparseflow._model`) or a user's Flax
-NNX model (`model.module`, `sparseflow._nnx_model`). Both give `init(key)`,
-the dense parameters; `forward(params, dense, activations)`, the outputs
-(logits `float32[batch]`) of `dense: float32[batch, num_dense]` and
-per-feature activations `float32[batch, dim]`; `loss(outputs, labels)`,
-`float32[]`; and `per_example_logits`, whether the outputs are logits
-`float[batch]` that the trainer's AUC scores (a user's model with a loss of
-its own may return others).
+Every dense model is a Flax NNX module over the public `embedding.nnx.Embed`
+layer, run through `sparseflow._nnx_model.NnxModel`: the shipped towers
+(`model.tower`: `sparseflow.towers.Dlrm` or `DcnV2`, built as
+`towers.from_config` builds them) and a user's model (`model.module`) alike.
+It gives `init(key)`, the dense parameters (an `nnx.State`);
+`forward(params, dense, activations)`, the outputs (logits `float32[batch]`)
+of `dense: float32[batch, num_dense]` and per-feature activations
+`float32[batch, dim]`; `loss(outputs, labels)`, `float32[]`; and
+`per_example_logits`, whether the outputs are logits `float[batch]` that the
+trainer's AUC scores (a user's model with a loss of its own may return others).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,43 +22,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-import embedding
-from sparseflow import _model
 from sparseflow._errors import UsageError
 from sparseflow.config._run_config import RunConfig
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class ShippedTower:
-    """A tower of `sparseflow._model` (DLRM or DCN-v2) for the given features."""
-
-    config: _model.ModelConfig
-    num_dense_features: int
-    feature_dims: Mapping[str, int]
-    loss: Callable[[jax.Array, jax.Array], jax.Array] = _model.sigmoid_cross_entropy
-    per_example_logits = True
-
-    def init(self, key: jax.Array) -> _model.Params:
-        return _model.init_params(key, self.config, self.num_dense_features, self.feature_dims)
-
-    def forward(self, params, dense: jax.Array, activations) -> jax.Array:
-        return _model.forward(params, dense, activations)
-
-
 def dense_model(
     config: RunConfig,
-    specs: Mapping[str, embedding.FeatureSpec],
     mesh: Mesh,
     *,
     model_class: type | None = None,
     loss: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> Any:
-    """The run's dense model for `specs`: a `ShippedTower`, or for a user's model an
-    `NnxModel` (`sparseflow._nnx_model`) with the same three methods.
+    """The run's dense model, an `NnxModel` (`sparseflow._nnx_model`).
 
     Args:
-      config: the run config; its `model` section chooses the model.
-      specs: the prepared feature specs.
+      config: the run config; its `model` section chooses the model, over
+        its feature specs.
       mesh: the run's mesh.
       model_class: a Flax NNX model class in place of `model.module`'s.
       loss: in place of the mean sigmoid cross-entropy (or of a user's model
@@ -66,24 +46,33 @@ def dense_model(
     Raises:
       UsageError: the model is one the trainer cannot run.
     """
-    if config.model.module is None and model_class is None:
-        loss = _model.sigmoid_cross_entropy if loss is None else loss
-        return ShippedTower(
-            config.model, config.layout.num_dense_features, embedding.feature_dims(specs), loss
-        )
-    if config.model.pipeshard is not None:
-        raise UsageError("model.pipeshard runs the shipped towers only, not a model of your own.")
-    # Flax is imported for a user's model only: it would lengthen every run's start.
+    # Flax is imported when a run builds its model, not with the trainer:
+    # the commands' parsing and help start without it.
     nnx_model = importlib.import_module("sparseflow._nnx_model")
+    shipped = config.model.module is None and model_class is None
+    if shipped:
+        from_config = importlib.import_module("sparseflow.towers._from_config")
+        module, args = from_config.tower_class_and_args(config.model)
+    elif config.model.pipeshard is not None:
+        raise UsageError(
+            "model.pipeshard runs the shipped towers (model.tower) only: it cuts the tower "
+            "into stages at the pipeline boundaries that sparseflow._model.forward marks "
+            "after every layer, which a model of your own does not mark. Drop "
+            "model.pipeshard, or train model.tower without model.module."
+        )
+    else:
+        module = config.model.module if model_class is None else model_class
+        args = config.model.args
     return nnx_model.NnxModel.create(
-        config.model.module if model_class is None else model_class,
-        config.model.args,
+        module,
+        args,
         config.feature_specs,
         mesh,
         num_sc_per_device=config.mesh.partitions_per_device,
         num_dense_features=config.layout.num_dense_features,
         global_batch_size=config.global_batch_size,
         loss=loss,
+        checked=not shipped,
     )
 
 
@@ -93,7 +82,7 @@ def abstract_outputs(
     """The shapes and dtypes of `dense_model`'s outputs on a batch of `batch` examples.
 
     Args:
-      dense_model: a `ShippedTower` or an `NnxModel`.
+      dense_model: an `NnxModel`.
       feature_dims: each feature's activation width.
       num_dense_features: the width of `dense`.
       batch: examples in the batch.

@@ -77,7 +77,7 @@ def export_model(
     specs = embedding.prepare_feature_specs_for_training(
         config.feature_specs, mesh.size, config.mesh.partitions_per_device
     )
-    dense_model = _dense_model.dense_model(config, specs, mesh, model_class=model)
+    dense_model = _dense_model.dense_model(config, mesh, model_class=model)
     snapshot = _predict.restore(config, mesh, dense_model, Path(checkpoint_dir))
     tables = embedding.gather_tables(
         {name: variables.table for name, variables in snapshot.arrays["tables"].items()},

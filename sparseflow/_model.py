@@ -15,7 +15,8 @@ DCN-v2 (`model.tower: {type: dcn_v2, cross_layers: K, mlp: [...]}`):
     logit = MLP(x_K)
 
 Embedding activations come from the sharded lookup; this module never sees
-tables. Parameters are a plain dict pytree so optax and orbax handle them.
+tables. Parameters are a plain dict pytree; `sparseflow.towers` holds them
+as `nnx.Param`s and runs this forward (the modules the trainer runs).
 The forward marks a pipeline boundary after every layer (a no-op outside
 `parallel.pipeshard`), the layers that `model.pipeshard` with `layers:
 manual` groups into stages.

@@ -1,15 +1,16 @@
-"""A user's Flax NNX model (`model.module` in the config) as the trainer's dense model.
+"""A Flax NNX model as the trainer's dense model: a shipped tower (`model.tower`,
+`sparseflow.towers`) or a user's (`model.module` in the config).
 
 The model is built around an `embedding.nnx.Embed` layer that the trainer
-hands it: `Class(embed, num_dense_features, rngs=rngs, **model.args)`, and
+hands it: `Class(embed, num_dense_features, rngs=rngs, **model.args)` (a
+shipped tower's arguments come from the config's widths), and
 called as `model(sparse_batch, dense)` it returns logits `float32[batch]`,
 trained with the mean sigmoid cross-entropy; or, when the class defines a
 `loss(outputs, labels)` (or the trainer is given a loss), any outputs that
 loss takes (a retrieval model's `float32[batch, batch]` in-batch logits,
 say): the trainer then reports no AUC, which needs per-example logits.
-The trainer splits it as it splits the shipped towers: its own sparse
-stages look the batch up in the run's tables and update them; the dense
-stage runs the model with the layer given those activations
+The trainer's own sparse stages look the batch up in the run's tables and
+update them; the dense stage runs the model with the layer given those activations
 (`embedding.nnx.provided_activations`), differentiating its `nnx.Param`s
 (the dense parameters, kept in `TrainState.params` as an `nnx.State`) and
 the activations. The layer's own tables are never materialized here: the
@@ -66,12 +67,12 @@ def load_model_class(module: str | type) -> type:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NnxModel:
-    """The dense part of a user's NNX model, for the trainer's stages.
+    """The dense part of an NNX model, for the trainer's stages.
 
     Attributes:
-      name: `model.module`, for messages.
-      build: `(key) -> model`: the model over a fresh `Embed` layer, abstract
-        (its tables and slots shapes and dtypes only).
+      name: `model.module` (`"package.module:Class"`), for messages.
+      build: `(key) -> model`: the model over the run's abstract `Embed`
+        layer (its tables and slots shapes and dtypes only), built once.
       loss: `(outputs, labels) -> float32[]`.
       graphdef: the model's graph.
       embedding_state: the layer's tables, slots and step, abstract (never read).
@@ -100,6 +101,7 @@ class NnxModel:
         num_dense_features: int,
         global_batch_size: int,
         loss: Any = None,
+        checked: bool = True,
     ) -> NnxModel:
         """Builds `module`'s class (or `module`, a class) abstractly and checks it is a
         model the trainer runs.
@@ -107,6 +109,8 @@ class NnxModel:
         The loss `(outputs, labels: int32[batch]) -> float32[]` that trains it is
         `loss`, else the class's own `loss` (a static method or function
         attribute), else the mean sigmoid cross-entropy of logits `float[batch]`.
+        Without `checked` (a shipped tower, whose outputs are known) its outputs
+        are not traced against the loss, which a run's start would wait for.
 
         Raises:
           UsageError: the class does not import or build with `args`, does not
@@ -119,15 +123,16 @@ class NnxModel:
         if not isinstance(module, str):
             module = f"{model_class.__module__}:{model_class.__qualname__}"
 
-        def build(key: jax.Array) -> nnx.Module:
-            # The layer abstract: the trainer holds the tables, and tracing
-            # their initializers (26 tables of the Criteo config) made up most
-            # of a run's set-up, although XLA dropped them from the program.
-            embed = nnx.eval_shape(
-                lambda: enx.Embed(
-                    feature_specs, mesh, num_sc_per_device=num_sc_per_device, rngs=nnx.Rngs(0)
-                )
+        # The layer abstract, built once: the trainer holds the tables, and
+        # tracing their initializers (26 tables of the Criteo config) made up
+        # most of a run's set-up, although XLA dropped them from the program.
+        embed = nnx.eval_shape(
+            lambda: enx.Embed(
+                feature_specs, mesh, num_sc_per_device=num_sc_per_device, rngs=nnx.Rngs(0)
             )
+        )
+
+        def build(key: jax.Array) -> nnx.Module:
             try:
                 model = model_class(embed, num_dense_features, rngs=nnx.Rngs(key), **args)
             except TypeError as error:
@@ -159,6 +164,8 @@ class NnxModel:
         if loss is None:
             loss = getattr(model_class, "loss", None) or sigmoid_cross_entropy
         model = cls(module, build, graphdef, embedding_state, layer_path, loss)
+        if not checked:
+            return model
         outputs = abstract_outputs(
             model, embedding.feature_dims(feature_specs), num_dense_features, global_batch_size
         )
@@ -181,10 +188,14 @@ class NnxModel:
         """The model's outputs (logits `float32[batch]` for the default loss) on
         `activations` (per feature, as the layer's lookup gives them) and
         `dense: float32[batch, num_dense]`."""
-        model = nnx.merge(self.graphdef, self.embedding_state, params)
+        model = self.merged(params)
         layer = enx.embed_layers(model)[self.layer_path]
         with enx.provided_activations({layer: dict(activations)}):
             return model(None, dense)
+
+    def merged(self, params: nnx.State) -> nnx.Module:
+        """The model holding `params` (its `Embed` layer abstract)."""
+        return nnx.merge(self.graphdef, self.embedding_state, params)
 
     def _check_logits(self, outputs: Any, batch: int) -> None:
         if not is_float(outputs, (batch,)):

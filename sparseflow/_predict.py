@@ -42,6 +42,7 @@ import embedding
 import pipelines
 from sparseflow import _dense_model, _limit_feedback, _mesh_change, _run_identity, _train
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot
+from sparseflow._dict_params import reading_dict_params
 from sparseflow._errors import UsageError
 from sparseflow._steps import DenseInputs
 from sparseflow.config._run_config import RunConfig
@@ -116,7 +117,7 @@ def predict(config: RunConfig, options: PredictOptions) -> Predictions:
     specs = embedding.prepare_feature_specs_for_training(
         config.feature_specs, mesh.size, config.mesh.partitions_per_device
     )
-    dense_model = _dense_model.dense_model(config, specs, mesh, model_class=options.model)
+    dense_model = _dense_model.dense_model(config, mesh, model_class=options.model)
     if not dense_model.per_example_logits:
         raise UsageError(
             "The model's outputs are not one logit per example, so there is no score per "
@@ -148,9 +149,8 @@ def restore(config: RunConfig, mesh: Mesh, dense_model: Any, directory: Path) ->
         raise UsageError(f"{directory} holds no checkpoint; give the --checkpoint-dir of a run.")
     checkpoints = Checkpoints(directory, run=None, read_only=True)
     try:
-        return checkpoints.restore_latest(
-            None, read_as=_mesh_change.from_any_mesh(config, _Reader(config, mesh, dense_model))
-        )
+        read_as = _mesh_change.from_any_mesh(config, _Reader(config, mesh, dense_model))
+        return checkpoints.restore_latest(None, read_as=reading_dict_params(read_as, None))
     finally:
         checkpoints.close()
 

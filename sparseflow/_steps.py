@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 import embedding
 import parallel
 from parallel import pipeshard
-from sparseflow import _model
 from sparseflow._tower_config import PipeshardConfig
 
 
@@ -30,12 +29,12 @@ class TrainState(NamedTuple):
     """The dense side of training.
 
     Attributes:
-      params: the dense tower's parameters.
+      params: the dense model's parameters (`dense_model.init`'s `nnx.State`).
       opt_state: their optimizer state.
       step: `int32[]`, dense updates applied so far.
     """
 
-    params: _model.Params
+    params: Any
     opt_state: optax.OptState
     step: jax.Array
 
@@ -159,6 +158,10 @@ class Stages:
             outputs = jnp.zeros(labels.shape, jnp.float32)
         return loss, outputs
 
+    def pipeshard_loss(self, params, activations, dense_inputs: DenseInputs) -> jax.Array:
+        """The loss of the dense model on a batch, as `parallel.pipeshard` takes it."""
+        return self._loss(params, dense_inputs.dense, activations, dense_inputs.labels)[0]
+
     @functools.cached_property
     def pipeshard_tc(self) -> PipeshardTc:
         """The TC stage with the tower as a pipeshard pipeline, driven from the host."""
@@ -207,10 +210,6 @@ class Stages:
         return jax.jit(logits)
 
 
-def _pipeshard_loss(params, activations, dense_inputs: DenseInputs) -> jax.Array:
-    return _model.loss_fn(params, dense_inputs.dense, activations, dense_inputs.labels)[0]
-
-
 class PipeshardTc:
     """`Stages.tc` with the dense tower run as a pipeshard pipeline.
 
@@ -221,7 +220,9 @@ class PipeshardTc:
     loop runs it with `parallel.host_driven_step`; traced, it raises
     `pipeshard.HostDrivenStageError`. The logits for the AUC come from one
     more compiled forward pass of the batch. Results equal `Stages.tc`'s up
-    to the order of the microbatch sums.
+    to the order of the microbatch sums. The stages are cut at the pipeline
+    boundaries that `sparseflow._model.forward` marks, so the dense model is
+    a shipped tower (`sparseflow.towers`).
 
     Attributes:
       shape_function: `Stages.tc`, which has the same outputs, for
@@ -235,7 +236,7 @@ class PipeshardTc:
         self.shape_function = stages.tc
         self._unstack = jax.jit(stages.unstack)
         self._stack = jax.jit(stages.stack)
-        self._logits = jax.jit(_model.forward)
+        self._logits = jax.jit(stages.dense_model.forward)
         self.stage: pipeshard.PipeshardTcStage | None = None
 
     def method(self, num_layers: int) -> pipeshard.PipeshardParallel:
@@ -283,10 +284,11 @@ class PipeshardTc:
 
     def __call__(self, activations, dense_inputs: DenseInputs, state: TrainState, sc_fwd_aux):
         if self.stage is None:
+            tower = self._stages.dense_model.merged(state.params)
             self.stage = pipeshard.pipeshard_tc_function(
-                _pipeshard_loss,
+                self._stages.pipeshard_loss,
                 self._stages.optimizer,
-                method=self.method(_model.num_layers(state.params)),
+                method=self.method(tower.num_layers()),
                 devices=self._stages.mesh.devices.flat,
             )
         per_feature = self._unstack(activations)

@@ -41,6 +41,7 @@ from sparseflow import (
     _run_identity,
 )
 from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
+from sparseflow._dict_params import reading_dict_params
 from sparseflow._errors import UsageError
 from sparseflow._metrics import MetricsWriter, Progress
 from sparseflow._steps import DenseInputs, Stages, TrainState, init_train_state, replicate
@@ -343,7 +344,7 @@ class _Run:
         )
         specs = _feature_specs(config, options, mesh)
         self.dense_model = _dense_model.dense_model(
-            config, specs, mesh, model_class=options.model, loss=options.loss
+            config, mesh, model_class=options.model, loss=options.loss
         )
         if not self.dense_model.per_example_logits:
             _log.info(
@@ -515,7 +516,8 @@ def train(config: RunConfig, options: TrainOptions) -> TrainResult:
             run.pipeline_state = _initial_pipeline_state(run, first)
         start, pending = 0, first
         if options.resume and checkpoints is not None:
-            snapshot = checkpoints.restore_latest(run.arrays(), read_as=_other_mesh(run))
+            read_as = reading_dict_params(_other_mesh(run), _identity(run, run.config))
+            snapshot = checkpoints.restore_latest(run.arrays(), read_as=read_as)
             if snapshot is not None:
                 run.set_arrays(snapshot.arrays)
                 run.losses = list(snapshot.metadata["losses"])

@@ -46,7 +46,7 @@ class TrainedTwoTower:
           UsageError: the config's model is not a two-tower model.
         """
         mesh = _train.make_mesh(config.mesh.devices)
-        model = _dense_model.dense_model(config, config.feature_specs, mesh)
+        model = _dense_model.dense_model(config, mesh)
         return cls.of_arrays(config, model, result.train_state.params, result.embedding_variables)
 
     @classmethod
@@ -58,7 +58,7 @@ class TrainedTwoTower:
             no checkpoint; the errors of `sparseflow predict`'s restore.
         """
         mesh = _train.make_mesh(config.mesh.devices)
-        model = _dense_model.dense_model(config, config.feature_specs, mesh)
+        model = _dense_model.dense_model(config, mesh)
         arrays = _predict.restore(config, mesh, model, Path(checkpoint_dir)).arrays
         return cls.of_arrays(config, model, arrays["state"].params, arrays["tables"])
 
@@ -67,7 +67,7 @@ class TrainedTwoTower:
         """The towers of `model` (the run's `_dense_model`) with `params`, over the tables
         of `variables` (`EmbeddingVariables` by stack, as a checkpoint holds them)."""
         mesh = _train.make_mesh(config.mesh.devices)
-        merged = nnx.merge(model.graphdef, model.embedding_state, params)
+        merged = model.merged(params)
         if not all(hasattr(merged, name) for name in ("user_vectors", "item_vectors")):
             raise UsageError(
                 f"model.module {config.model.module!r} has no user_vectors and item_vectors; "

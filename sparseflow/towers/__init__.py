@@ -4,10 +4,11 @@ and `TwoTower`, a retrieval model (docs/retrieval.md).
 `Dlrm` and `DcnV2` take an `embedding.nnx.Embed` layer and compute the
 logits of `sparseflow._model.forward` from its activations and the dense
 features; they train with `embedding.nnx.PartitionedOptimizer` like any
-model holding the layer. `dense_params()` and `load_dense_params(params)`
-convert their parameters to and from the pytree `sparseflow train` keeps
-(`TrainState.params`), and `from_config` builds the tower of a run config's
-`model` section. docs/design.md section 5 ("The NNX layer") describes them.
+model holding the layer, and they are what `sparseflow train` runs for a
+config's `model.tower`. `from_config` builds the tower of a run config's
+`model` section, and `dense_params()` and `load_dense_params(params)`
+convert its parameters to and from the plain dict of
+`sparseflow._model.init_params`. docs/design.md section 5 ("The NNX layer") describes them.
 
 >>> import jax, numpy as np
 >>> from flax import nnx

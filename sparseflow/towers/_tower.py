@@ -19,8 +19,9 @@ class Tower(nnx.Module):
     """A dense tower of `sparseflow._model` over the activations of an `Embed` layer.
 
     The math is `sparseflow._model.forward`'s, run on the parameters this
-    module holds: the module and the trainer's functional tower compute the
-    same logits from the same parameters and activations.
+    module holds, with its pipeline boundaries after every layer (which
+    `model.pipeshard` groups into stages); `sparseflow train` runs this
+    module for `model.tower`.
 
     Attributes:
       embed: the `Embed` layer; its feature specs are a dict by feature name.
@@ -63,14 +64,17 @@ class Tower(nnx.Module):
         """
         return _model.forward(self.dense_params(), dense, self.embed(sparse_batch))
 
+    def num_layers(self) -> int:
+        """The layers between the forward's pipeline boundaries."""
+        return _model.num_layers(self.dense_params())
+
     def dense_params(self) -> _model.Params:
-        """The dense parameters' values in the pytree of `sparseflow._model.init_params`,
-        the `params` of the trainer's `TrainState` and checkpoints."""
+        """The dense parameters' values as the plain dict of `sparseflow._model.init_params`,
+        which `sparseflow._model.forward` takes."""
         return jax.tree.map(lambda param: param[...], self.params, is_leaf=_is_param)
 
     def load_dense_params(self, params: _model.Params) -> None:
-        """Sets the dense parameters from the pytree of `sparseflow._model.init_params`
-        (a checkpoint's `TrainState.params`, say).
+        """Sets the dense parameters from the plain dict of `sparseflow._model.init_params`.
 
         Raises:
           ValueError: `params` are of another tower, other features or other

@@ -402,7 +402,7 @@ def test_only_the_nnx_modules_import_flax():
         REPO / "sparseflow" / "towers",
         REPO / "sparseflow" / "retrieval",
     )
-    # The trainer's view of a user's model, which `_dense_model` imports for one only.
+    # The trainer's view of its NNX model, which `_dense_model` imports when a run builds it.
     user_model = REPO / "sparseflow" / "_nnx_model.py"
     offenders = [
         str(path.relative_to(REPO))

@@ -53,7 +53,7 @@ def evaluation_scores(config, result, data: str, room: int | None = None) -> np.
             num_sc_per_device=config.mesh.partitions_per_device,
         )
     options = _train.TrainOptions(data=data)
-    stages = _train.stages(config, specs, mesh, _dense_model.dense_model(config, specs, mesh))
+    stages = _train.stages(config, specs, mesh, _dense_model.dense_model(config, mesh))
     scores = []
     with _train._iterator(config, options, specs, mesh, data, training=False) as batches:
         for batch in batches:

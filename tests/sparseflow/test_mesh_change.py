@@ -355,7 +355,9 @@ def test_two_processes_move_a_pipelined_run_to_other_devices(
     metadata = json.loads((checkpoints / "8" / "metadata" / "metadata").read_text())
     assert metadata["run"]["mesh"]["devices"] == 4
     losses = pipelined_uninterrupted.losses
-    assert metadata["losses"][:3] == losses[:3]
+    # Before the move: 2 processes against 1, whose loss means may differ in the
+    # last bit (seen with some initial parameters), then the moved run.
+    np.testing.assert_allclose(metadata["losses"][:3], losses[:3], rtol=1e-6)
     np.testing.assert_allclose(metadata["losses"][3:], losses[3:], rtol=1e-5)
 
 

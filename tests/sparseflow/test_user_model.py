@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import user_models
 import yaml
@@ -15,7 +16,7 @@ from train_cases import assert_resume_is_exact
 
 import embedding
 import sparseflow
-from sparseflow import _dense_model, _in_flight, _model, _train, load_config
+from sparseflow import _dense_model, _in_flight, _model, _train, load_config, towers
 from sparseflow._errors import UsageError
 from sparseflow.config._checker import ConfigError
 
@@ -114,7 +115,7 @@ def test_a_model_the_trainer_cannot_run_is_refused_naming_why(small_run, model, 
     config = _config(small_run, "refused", model)
     mesh = _train.make_mesh(config.mesh.devices)
     with pytest.raises(UsageError, match=re.escape(message)):
-        _dense_model.dense_model(config, config.feature_specs, mesh)
+        _dense_model.dense_model(config, mesh)
 
 
 @pytest.mark.parametrize(
@@ -131,12 +132,75 @@ def test_a_model_section_mixing_the_two_kinds_is_refused(small_run, model, messa
         _config(small_run, "mixed", model)
 
 
-def test_a_config_without_model_module_runs_the_shipped_tower(small_run):
-    _, _, config, _ = small_run
-    model = _dense_model.dense_model(config, config.feature_specs, None)
-    assert isinstance(model, _dense_model.ShippedTower)
-    params = model.init(jax.random.key(0))
-    assert set(params) >= {"bottom", "top"}
+@pytest.mark.parametrize(
+    ("model", "tower_class"),
+    [
+        ({"bottom_mlp": [16, 8], "top_mlp": [16]}, towers.Dlrm),
+        ({"tower": {"type": "dcn_v2", "cross_layers": 3, "mlp": [8]}}, towers.DcnV2),
+    ],
+)
+def test_a_config_without_model_module_runs_its_shipped_tower_as_an_nnx_module(
+    small_run, model, tower_class
+):
+    config = _config(small_run, "shipped", model)
+    model = _dense_model.dense_model(config, _train.make_mesh(config.mesh.devices))
+    tower = model.merged(model.init(jax.random.key(0)))
+    assert type(tower) is tower_class
+    # The parameters of the config's functional tower, array for array.
+    want = _model.init_params(
+        jax.random.key(0),
+        config.model,
+        config.layout.num_dense_features,
+        embedding.feature_dims(config.feature_specs),
+    )
+    assert jax.tree.map(np.shape, tower.dense_params()) == jax.tree.map(np.shape, want)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"bottom_mlp": [16, 8], "top_mlp": [16]},
+        {"tower": {"type": "dcn_v2", "cross_layers": 2, "mlp": [8]}},
+    ],
+)
+def test_the_shipped_towers_first_step_is_the_functional_step(small_run, model):
+    """The trainer's first step of `model.tower` against `_model.loss_fn`'s loss and
+    gradients and the dense optimizer, unparallelized, from the same parameters on
+    the activations of the run's own lookup."""
+    _, _, _, data = small_run
+    config = _config(small_run, "shipped-step", model)
+    options = _train.TrainOptions(data=data, steps=1, progress=False, pipelined=False)
+    run = _train._Run(config, options, _train.make_mesh(config.mesh.devices))
+    params = jax.device_get(run.dense_model.merged(run.state.params).dense_params())
+    batch, activations = _first_batch(config, data, run.tables)
+    (loss, _), grads = jax.value_and_grad(_model.loss_fn, has_aux=True)(
+        params,
+        np.asarray(batch.dense),
+        {name: a.astype(np.float32) for name, a in activations.items()},
+        np.asarray(batch.labels),
+    )
+    optimizer = _model.dense_optimizer(config.model)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    want = optax.apply_updates(params, updates)
+
+    result = _train.train(config, options)
+    np.testing.assert_allclose(result.losses[0], loss, rtol=1e-5)
+    got = run.dense_model.merged(result.train_state.params).dense_params()
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_pipeshard_with_a_model_of_ones_own_is_refused_naming_the_layer_marks(small_run):
+    config = _config(small_run, "piped-user", {"pipeshard": {"stages": 2, "microbatches": 2}})
+    mesh = _train.make_mesh(config.mesh.devices)
+    with pytest.raises(UsageError, match="pipeline boundaries that sparseflow._model.forward"):
+        _dense_model.dense_model(config, mesh, model_class=user_models.LinearModel)
+    # The config's own tower takes it, and counts its layers: the bottom MLP's,
+    # the top MLP's and the final one.
+    tower = _dense_model.dense_model(config, mesh)
+    layers = len(config.model.bottom_mlp) + len(config.model.top_mlp) + 1
+    assert tower.merged(tower.init(jax.random.key(0))).num_layers() == layers
 
 
 def test_a_user_models_run_resumes_exactly_from_its_checkpoint(small_run):
@@ -179,9 +243,7 @@ def test_outputs_other_than_logits_need_a_loss_that_takes_them(small_run):
     config = _config(small_run, "pairs", {"module": "user_models:PairLogits"})
     mesh = _train.make_mesh(config.mesh.devices)
     with pytest.raises(UsageError, match=re.escape("got float32[512, 512]; a model with other")):
-        _dense_model.dense_model(
-            config, config.feature_specs, mesh, loss=_model.sigmoid_cross_entropy
-        )
+        _dense_model.dense_model(config, mesh, loss=_model.sigmoid_cross_entropy)
 
 
 def test_a_model_with_its_own_loss_trains_without_auc(small_run, caplog):
