@@ -402,10 +402,11 @@ class _Clock:
 def _score_all(config, options, mesh, reader, scorer: _Scorer, progress: bool) -> _Scored:
     """Every record's score and label, batch by batch.
 
-    A helper thread lays out the next batch while this one dispatches the
-    forward of the current one and waits for the previous one's scores: the
-    host's parsing and layout run beside the devices' forward, as a Grain
-    worker runs beside training.
+    A helper thread lays out the next batch while the devices run the
+    forward of the current one: the host's parsing and layout run beside the
+    forward, as a Grain worker runs beside training. A forward is dispatched
+    only once the previous one's scores are in: on several devices it has
+    collectives, and XLA:CPU can deadlock on two such programs in flight.
     """
     total = reader.files.num_records
     scores = np.full(total, np.nan, np.float32)
@@ -430,10 +431,6 @@ def _score_all(config, options, mesh, reader, scorer: _Scorer, progress: bool) -
         drawn = helper.submit(_drawn, batches, parser)
         while True:
             current, drawn = drawn.result(), None
-            if current is not None:
-                drawn = helper.submit(_drawn, batches, parser)
-                batch, rows, specs = current
-                current = (scorer(batch, specs), rows)
             if pending is not None:
                 out, rows = pending
                 scores[rows.records] = np.asarray(out)[: rows.records.size]
@@ -442,7 +439,9 @@ def _score_all(config, options, mesh, reader, scorer: _Scorer, progress: bool) -
                 clock.scored(rows.records.size)
             if current is None:
                 break
-            pending = current
+            drawn = helper.submit(_drawn, batches, parser)
+            batch, rows, specs = current
+            pending = (scorer(batch, specs), rows)
     bar.close()
     return _Scored(scores, labels, sorted(parser.bad_records), clock.examples_per_s())
 

@@ -881,13 +881,17 @@ def evaluate(run: _Run, data) -> tuple[float | None, dict[str, float]]:
         if run.config.training.eval_batches is not None:
             steps = min(steps, run.config.training.eval_batches)
         for _, batch in zip(range(steps), batches, strict=False):
-            out = run.stages.eval_logits(
-                run.state.params, run.tables, batch.sparse, _dense_inputs(batch)
+            # Finished before the metrics' program (a mean over the devices) is
+            # dispatched: XLA:CPU can deadlock on two programs with collectives in flight.
+            out = jax.block_until_ready(
+                run.stages.eval_logits(
+                    run.state.params, run.tables, batch.sparse, _dense_inputs(batch)
+                )
             )
             if run.metrics:
                 means.add(out, batch.labels)
             if run.dense_model.per_example_logits:
-                logits.append(_gathered(jax.block_until_ready(out)))
+                logits.append(_gathered(out))
                 labels.append(_gathered(batch.labels))
     if not run.dense_model.per_example_logits:
         return None, means.means()

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal, Var
 from jax.sharding import Mesh
@@ -49,6 +51,12 @@ from parallel.pipeshard._stages import StagePlan
 from parallel.pipeshard._tracing import TracedStep
 
 logger = logging.getLogger(__name__)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cut_program(values: list[jax.Array], m: int) -> list[list[jax.Array]]:
+    """`values[i]: [batch, ...]` -> `m` arrays `[batch / m, ...]` each."""
+    return [jnp.split(value, m) for value in values]
 
 
 def check_runtime_options(changes: dict[str, Any]) -> None:
@@ -220,8 +228,9 @@ class PipeshardExecutable:
         start = time.perf_counter()
         m = self.method.num_micro_batches
         values = [self._loss_input(v, outer) for _, v in self._step_keys]
-        for _, v in self._split_keys:
-            values += self._microbatches(self._loss_input(v, outer), m)
+        values += self._cut_into_microbatches(
+            [self._loss_input(v, outer) for _, v in self._split_keys]
+        )
         values += [np.zeros(v.aval.shape, v.aval.dtype) for _, v in self._sum_vars]
         placed = iter(jax.device_put(values, self._placement))
         step_values = {key: next(placed) for key in self._step_keys}
@@ -237,20 +246,40 @@ class PipeshardExecutable:
             start=start,
         )
 
-    @staticmethod
-    def _microbatches(value: Any, m: int) -> list:
-        size = np.shape(value)[0] // m
-        if not isinstance(value, jax.Array):
-            value = np.asarray(value)
-        return [value[k * size : (k + 1) * size] for k in range(m)]
+    def _cut_into_microbatches(self, values: Sequence[Any]) -> list:
+        """The `m` microbatches of each value (leading axis), flat in order.
 
-    def _wait_for_collectives(self, program: CompiledProgram) -> float:
-        if not (self._serialize_collectives and program.has_collectives):
+        Cutting an array sharded over several devices moves rows between
+        them: a program with collectives. Indexing would dispatch one per
+        microbatch, all in flight at once, which XLA:CPU can deadlock on; so
+        the arrays of one device set are cut by a single program, run in turn
+        with the other collective programs. Other values are cut in place.
+        """
+        m = self.method.num_micro_batches
+        pieces: list[Any] = [None] * len(values)
+        by_devices: dict[frozenset, list[int]] = {}
+        for i, value in enumerate(values):
+            if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
+                by_devices.setdefault(frozenset(value.sharding.device_set), []).append(i)
+            else:
+                value = value if isinstance(value, jax.Array) else np.asarray(value)
+                size = value.shape[0] // m
+                pieces[i] = [value[k * size : (k + 1) * size] for k in range(m)]
+        for indices in by_devices.values():
+            self._wait_for_collectives(True)
+            cut = _cut_program([values[i] for i in indices], m)
+            self._dispatched(True, cut)
+            for i, microbatches in zip(indices, cut, strict=True):
+                pieces[i] = microbatches
+        return [microbatch for microbatches in pieces for microbatch in microbatches]
+
+    def _wait_for_collectives(self, has_collectives: bool) -> float:
+        if not (self._serialize_collectives and has_collectives):
             return 0.0
         return COLLECTIVES_IN_FLIGHT.wait()
 
-    def _dispatched(self, program: CompiledProgram, outputs: Any) -> None:
-        if self._serialize_collectives and program.has_collectives:
+    def _dispatched(self, has_collectives: bool, outputs: Any) -> None:
+        if self._serialize_collectives and has_collectives:
             COLLECTIVES_IN_FLIGHT.track(outputs)
 
     def _run_task(self, task: Task, clock: int, state: _StepState) -> None:
@@ -267,11 +296,11 @@ class PipeshardExecutable:
                 transfer,
                 [state.sums[v] for v in piece.sum_outputs],
             )
-            wait = self._wait_for_collectives(program)
+            wait = self._wait_for_collectives(program.has_collectives)
             launched = time.perf_counter()
             outputs = program.call(*args)
             launch = time.perf_counter() - launched
-            self._dispatched(program, outputs)
+            self._dispatched(program.has_collectives, outputs)
             transfer_out, sums, concat = outputs
             env.update(zip(piece.transfer_outputs, transfer_out))
             state.sums.update(zip(piece.sum_outputs, sums))
@@ -325,9 +354,9 @@ class PipeshardExecutable:
         env.update((PerMicrobatch(v), values) for v, values in state.concats.items())
         for piece, program in self._apply:
             args = jax.device_put([env[k] for k in piece.inputs], list(program.in_shardings))
-            self._wait_for_collectives(program)
+            self._wait_for_collectives(program.has_collectives)
             outputs = program.call(*args)
-            self._dispatched(program, outputs)
+            self._dispatched(program.has_collectives, outputs)
             env.update(zip(piece.outputs, outputs))
         return [
             v.val if isinstance(v, Literal) else env[v]

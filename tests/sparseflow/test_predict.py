@@ -178,3 +178,34 @@ def test_the_command_refuses_an_output_of_no_known_format(small_run, tmp_path):
     )  # fmt: skip
     assert done.returncode == 2
     assert ".parquet, .csv, .jsonl" in done.stderr
+
+
+def test_a_batch_is_dispatched_only_once_the_previous_ones_scores_are_in(
+    trained, records, tmp_path, monkeypatch
+):
+    """On several devices the forward has collectives; XLA:CPU can deadlock on two
+    such programs in flight, so the scores of one come in before the next is sent."""
+    config, _, checkpoints = trained
+    data = write_records(tmp_path / "data" / "part-0.array_record", records)
+    events = []
+
+    class Fetched:
+        def __init__(self, out):
+            self.out = out
+
+        def __array__(self, dtype=None, copy=None):
+            events.append("fetched")
+            return np.asarray(self.out)
+
+    score = _predict._Scorer.__call__
+
+    def recorded(self, batch, specs):
+        events.append("dispatched")
+        return Fetched(score(self, batch, specs))
+
+    monkeypatch.setattr(_predict._Scorer, "__call__", recorded)
+    predictions = _predict.predict(
+        config, _predict.PredictOptions(checkpoint_dir=checkpoints, data=data, progress=False)
+    )
+    assert predictions.scores.shape == (RECORDS,)
+    assert events == ["dispatched", "fetched"] * 3

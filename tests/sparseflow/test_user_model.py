@@ -16,7 +16,7 @@ from train_cases import assert_resume_is_exact
 
 import embedding
 import sparseflow
-from sparseflow import _dense_model, _in_flight, _model, _train, load_config, towers
+from sparseflow import _dense_model, _eval_metrics, _in_flight, _model, _train, load_config, towers
 from sparseflow._errors import UsageError
 from sparseflow.config._checker import ConfigError
 
@@ -290,13 +290,24 @@ def _tensorboard_scalars(folder) -> dict[str, float]:
     return scalars
 
 
-def test_metrics_are_their_mean_over_the_evaluations_batches(small_run, tmp_path):
+def test_metrics_are_their_mean_over_the_evaluations_batches(small_run, tmp_path, monkeypatch):
     _, _, _, data = small_run
     config = _config(small_run, "metrics", {"module": "user_models:LinearModel"}, eval_batches=2)
     metrics = {"brier": _brier, "mean logit": lambda logits, labels: jnp.mean(logits)}
+    # The metrics' program takes a mean over the devices: dispatched while the
+    # forward (which has collectives too) ran, XLA:CPU could deadlock on the two.
+    forward_done = []
+    add = _eval_metrics.MetricMeans.add
+
+    def add_after_the_forward(self, outputs, labels):
+        forward_done.append(all(x.is_ready() for x in jax.tree.leaves(outputs)))
+        add(self, outputs, labels)
+
+    monkeypatch.setattr(_eval_metrics.MetricMeans, "add", add_after_the_forward)
     result = sparseflow.Trainer(config, metrics=metrics).fit(
         data, steps=3, eval_data=data, metrics_dir=tmp_path / "tb", progress=False
     )
+    assert forward_done == [True, True]
     # Float64 numpy on the evaluation's two batches, under the trained model.
     values = {"brier": [], "mean logit": []}
     for index in range(2):

@@ -207,3 +207,44 @@ def test_many_steps_back_to_back():
         state, loss, _ = step(state, batch)
         reference_state, reference_loss, _ = _reference("mlp")(reference_state, batch)
     _assert_tree_close((state, loss), (reference_state, reference_loss), rtol=1e-4)
+
+
+def test_a_batch_sharded_over_the_devices_is_cut_by_one_tracked_program(monkeypatch):
+    """Its microbatches move rows between devices: a program with collectives.
+
+    Cut by indexing, the driver dispatched one such program per microbatch,
+    all in flight at once beside the schedule's own, which XLA:CPU can
+    deadlock on (a rare hang, then the process aborted). Now indexing a
+    device array during the step fails the test, and the cut is one program
+    the driver waits for like every other collective one.
+    """
+    from jax._src.array import ArrayImpl
+
+    from parallel.pipeshard import _runtime
+
+    step = _compiled("mlp", 2, 4)
+    state, batch = _inputs("mlp")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sharded = jax.device_put(
+        batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    )
+    step(state, sharded)  # compiles the cut before indexing is forbidden
+
+    def no_indexing(self, index):
+        raise AssertionError(f"a device array of shape {self.shape} was indexed eagerly")
+
+    tracked = []
+
+    class Recording(type(_runtime.COLLECTIVES_IN_FLIGHT)):
+        def track(self, outputs):
+            tracked.append([x.shape for x in jax.tree.leaves(outputs)])
+            super().track(outputs)
+
+    monkeypatch.setattr(ArrayImpl, "__getitem__", no_indexing)
+    monkeypatch.setattr(_runtime, "COLLECTIVES_IN_FLIGHT", Recording())
+    got = step(state, sharded)
+    size = batch["x"].shape[0] // 4
+    cut = sorted([(size, *batch[k].shape[1:]) for k in batch for _ in range(4)])
+    assert cut in [sorted(shapes) for shapes in tracked]
+    monkeypatch.undo()
+    _assert_tree_close(got, _reference("mlp")(state, batch))
