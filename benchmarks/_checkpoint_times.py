@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from _memory import reset_peak, resident_bytes
 
 from sparseflow import _hosts
-from sparseflow._checkpoint import Checkpoints, Snapshot
+from sparseflow._checkpoint import Checkpoints, Snapshot, abstract_like
 
 _RUN = {"benchmark": "scale"}
 
@@ -51,9 +51,7 @@ def save(arrays: Any, folder: Path) -> tuple[dict, Any, int]:
     if jax.process_index() == 0:
         shutil.rmtree(folder, ignore_errors=True)
     _hosts.barrier("scale:checkpoint_folder_emptied")
-    like = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), arrays
-    )
+    like = abstract_like(arrays)
     total = int(checksum(arrays))
     checkpoints = Checkpoints(folder, run=_RUN, keep=1)
     reset_peak()

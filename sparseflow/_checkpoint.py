@@ -326,7 +326,7 @@ class Checkpoints:
             return None, damage
         position = _Position()
         try:
-            arrays_directory, abstract = step_directory / "arrays", _abstract(reading.like)
+            arrays_directory, abstract = step_directory / "arrays", abstract_like(reading.like)
             restored = (
                 _restore_partially(arrays_directory, abstract)
                 if reading.partial
@@ -479,5 +479,6 @@ def _restore_partially(directory: Path, abstract: Any) -> Any:
     )
 
 
-def _abstract(tree: Any) -> Any:
+def abstract_like(tree: Any) -> Any:
+    """The shape, dtype and sharding of each array of `tree` (what a restore reads into)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

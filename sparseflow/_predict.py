@@ -456,7 +456,10 @@ def _drawn(batches: _limit_feedback.FeedbackIterator, parser: _BatchParser):
 
 def _label_example(label: pipelines.LabelColumn) -> bytes:
     """A serialized `tf.train.Example` holding only `label` = 0: appended to a record
-    without a label, protobuf's merge of repeated messages adds it to the record's."""
+    without a label, protobuf's merge of repeated messages adds it to the record's.
+
+    Written out by hand: `tf.train.Example` would import TensorFlow (seconds)
+    for these few bytes, which the tests check against its serialization."""
     if label.type is pipelines.ValueType.FLOAT:
         values = _field(2, _field(1, struct.pack("<f", 0.0)))  # FloatList, packed
     else:

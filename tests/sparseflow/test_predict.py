@@ -209,3 +209,15 @@ def test_a_batch_is_dispatched_only_once_the_previous_ones_scores_are_in(
     )
     assert predictions.scores.shape == (RECORDS,)
     assert events == ["dispatched", "fetched"] * 3
+
+
+@pytest.mark.parametrize("value_type", ["float", "int"])
+def test_the_label_given_to_a_record_without_one_is_tensorflows_example(value_type):
+    label = pipelines.LabelColumn(key="clicked", type=pipelines.ValueType(value_type))
+    feature = (
+        tf.train.Feature(float_list=tf.train.FloatList(value=[0.0]))
+        if value_type == "float"
+        else tf.train.Feature(int64_list=tf.train.Int64List(value=[0]))
+    )
+    expected = tf.train.Example(features=tf.train.Features(feature={"clicked": feature}))
+    assert _predict._label_example(label) == expected.SerializeToString()
