@@ -431,6 +431,8 @@ def _score_all(config, options, mesh, reader, scorer: _Scorer, progress: bool) -
         drawn = helper.submit(_drawn, batches, parser)
         while True:
             current, drawn = drawn.result(), None
+            if current is not None:
+                drawn = helper.submit(_drawn, batches, parser)
             if pending is not None:
                 out, rows = pending
                 scores[rows.records] = np.asarray(out)[: rows.records.size]
@@ -439,7 +441,6 @@ def _score_all(config, options, mesh, reader, scorer: _Scorer, progress: bool) -
                 clock.scored(rows.records.size)
             if current is None:
                 break
-            drawn = helper.submit(_drawn, batches, parser)
             batch, rows, specs = current
             pending = (scorer(batch, specs), rows)
     bar.close()
