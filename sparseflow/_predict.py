@@ -272,10 +272,13 @@ class _BatchParser:
         batch, problems = pipelines.parse_examples_lenient(records, self._layout)
         if not problems:
             return _Parsed(batch, _Rows(indices, batch.labels[: indices.size]))
-        return self._parse_slowly(indices, records[: indices.size])
+        # The padding copies the last record: its problems are that record's.
+        own = [(row, reason) for row, reason in problems if row < indices.size]
+        return self._parse_slowly(indices, records[: indices.size], own)
 
-    def _parse_slowly(self, indices: np.ndarray, records: list[bytes]) -> _Parsed | None:
-        _, problems = pipelines.parse_examples_lenient(records, self._layout)
+    def _parse_slowly(
+        self, indices: np.ndarray, records: list[bytes], problems: list[tuple[int, str]]
+    ) -> _Parsed | None:
         unlabelled = {row for row, reason in problems if reason == self._missing_label}
         if unlabelled:
             records = [
