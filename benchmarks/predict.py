@@ -10,7 +10,16 @@ batch (which compiles the forward) over the time after it
 (`Predictions.examples_per_s`). The last line is one JSON object with both
 figures and `ratio_predict_vs_train`.
 
-    python benchmarks/predict.py [--examples 20480] [--steps 40]
+Then the checkpoint is exported (`sparseflow export`) and a serving process
+started fresh `--serving-runs` times (`benchmarks/_serving_start.py`: numpy,
+jax and `sparseflow_serving` only), each timed from its launch to its exit
+(`serving_process_s`) and, inside it, to the end of its first score of a
+batch of 256 (`serving_to_first_score_s`: imports, loading the folder,
+compiling and running the forward); medians over the runs, with the
+import, load and first-score parts, and the training modules it imported
+(`serving_training_stack_imported`, empty when it imports none).
+
+    python benchmarks/predict.py [--examples 20480] [--steps 40] [--serving-runs 3]
 """
 
 from __future__ import annotations
@@ -20,16 +29,20 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pipelines  # noqa: E402
 import sparseflow  # noqa: E402
-from sparseflow import _train  # noqa: E402
+from sparseflow import _export, _train  # noqa: E402
 
 WARMUP_CALLS = 5
+SERVING_START = Path(__file__).with_name("_serving_start.py")
 
 
 def _config(tmp: Path) -> sparseflow.RunConfig:
@@ -46,10 +59,32 @@ def _data(config, out: Path, examples: int) -> str:
     return str(out / "arrayrecord")
 
 
+def serving_starts(folder: Path, runs: int) -> dict:
+    """Medians over `runs` fresh serving processes of `folder` (see the module doc)."""
+    starts = []
+    for _ in range(runs):
+        launched = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, str(SERVING_START), str(folder)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        start = json.loads(done.stdout.strip().splitlines()[-1])
+        starts.append(start | {"process_s": time.perf_counter() - launched})
+    figures = {
+        f"serving_{key}": round(statistics.median(start[key] for start in starts), 3)
+        for key in ("process_s", "to_first_score_s", "import_s", "load_s", "first_score_s")
+    }
+    figures["serving_training_stack_imported"] = sorted(
+        {name for start in starts for name in start["training_stack_imported"]}
+    )
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=20480)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--serving-runs", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="sparseflow-predict-bench-") as folder:
         tmp = Path(folder)
@@ -69,6 +104,8 @@ def main() -> None:
             config,
             sparseflow.PredictOptions(checkpoint_dir=checkpoints, data=data, progress=False),
         )
+        _export.export_model(config, checkpoints, tmp / "export")
+        serving = serving_starts(tmp / "export", args.serving_runs)
     print(
         json.dumps(
             {
@@ -81,6 +118,7 @@ def main() -> None:
                 "ratio_predict_vs_train": round(
                     predictions.examples_per_s / train_examples_per_s, 2
                 ),
+                **serving,
             }
         )
     )
