@@ -7,8 +7,11 @@ scores the data with `sparseflow predict`. Training's figure is its steady
 state: the global batch over the median call after the first calls (which
 compile). Prediction's is its steady state too: the records after the first
 batch (which compiles the forward) over the time after it
-(`Predictions.examples_per_s`). The last line is one JSON object with both
-figures and `ratio_predict_vs_train`.
+(`Predictions.examples_per_s`), at the config's batch and at `--predict-batch`
+records per forward (default twice the config's, `sparseflow predict
+--batch-size`), the two alternated `--predict-runs` times (medians). The last
+line is one JSON object with the figures, `ratio_predict_vs_train` (at
+`--predict-batch`) and `ratio_predict_vs_train_config_batch`.
 
 Then the checkpoint is exported (`sparseflow export`) and a serving process
 started fresh `--serving-runs` times (`benchmarks/_serving_start.py`: numpy,
@@ -19,7 +22,8 @@ compiling and running the forward); medians over the runs, with the
 import, load and first-score parts, and the training modules it imported
 (`serving_training_stack_imported`, empty when it imports none).
 
-    python benchmarks/predict.py [--examples 20480] [--steps 40] [--serving-runs 3]
+    python benchmarks/predict.py [--examples 20480] [--steps 40] [--predict-batch N]
+        [--predict-runs 3] [--serving-runs 3]
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=20480)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--predict-batch", type=int, help="default: twice the config's batch")
+    parser.add_argument("--predict-runs", type=int, default=3)
     parser.add_argument("--serving-runs", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="sparseflow-predict-bench-") as folder:
@@ -100,10 +106,16 @@ def main() -> None:
         train_examples_per_s = config.global_batch_size / statistics.median(
             result.call_seconds[WARMUP_CALLS:]
         )
-        predictions = sparseflow.predict(
-            config,
-            sparseflow.PredictOptions(checkpoint_dir=checkpoints, data=data, progress=False),
-        )
+        larger = args.predict_batch or 2 * config.global_batch_size
+        rates = {config.global_batch_size: [], larger: []}
+        for _ in range(args.predict_runs):
+            for size, runs in rates.items():
+                options = sparseflow.PredictOptions(
+                    checkpoint_dir=checkpoints, data=data, batch_size=size, progress=False
+                )
+                runs.append(sparseflow.predict(config, options).examples_per_s)
+        predict_examples_per_s = statistics.median(rates[larger])
+        config_batch_examples_per_s = statistics.median(rates[config.global_batch_size])
         _export.export_model(config, checkpoints, tmp / "export")
         serving = serving_starts(tmp / "export", args.serving_runs)
     print(
@@ -114,9 +126,16 @@ def main() -> None:
                 "examples": args.examples,
                 "train_steps": args.steps,
                 "train_examples_per_s": round(train_examples_per_s),
-                "predict_examples_per_s": round(predictions.examples_per_s),
-                "ratio_predict_vs_train": round(
-                    predictions.examples_per_s / train_examples_per_s, 2
+                "predict_batch": larger,
+                "predict_examples_per_s": round(predict_examples_per_s),
+                "predict_examples_per_s_range": [
+                    round(min(rates[larger])),
+                    round(max(rates[larger])),
+                ],
+                "predict_examples_per_s_config_batch": round(config_batch_examples_per_s),
+                "ratio_predict_vs_train": round(predict_examples_per_s / train_examples_per_s, 2),
+                "ratio_predict_vs_train_config_batch": round(
+                    config_batch_examples_per_s / train_examples_per_s, 2
                 ),
                 **serving,
             }

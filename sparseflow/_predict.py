@@ -65,6 +65,12 @@ class PredictOptions:
         (needed only when the config standardizes some).
       model: the Flax NNX model class the run trained in place of the
         config's `model.module` (as `sparseflow.Trainer` took it).
+      batch_size: records scored per forward; None for the config's global
+        batch. Like it, a multiple of devices x partitions_per_device. A
+        forward keeps no gradients or optimizer state, so it has room for
+        a larger batch than training, and on a mesh of several devices each
+        forward's collectives cost the same whatever its batch; the limits
+        the checkpoint brings are raised on the first batch that needs more.
       progress: show a progress bar.
     """
 
@@ -73,6 +79,7 @@ class PredictOptions:
     keep: Sequence[str] = ()
     fdo_dir: Path | None = None
     model: type | None = None
+    batch_size: int | None = None
     progress: bool = True
 
 
@@ -113,26 +120,55 @@ def predict(config: RunConfig, options: PredictOptions) -> Predictions:
         raise UsageError(
             "sparseflow predict runs in one process; start it without --num-processes."
         )
+    batch = config.global_batch_size if options.batch_size is None else options.batch_size
+    scoring = with_global_batch(config, batch)
     mesh = _train.make_mesh(config.mesh.devices)
     specs = embedding.prepare_feature_specs_for_training(
-        config.feature_specs, mesh.size, config.mesh.partitions_per_device
+        scoring.feature_specs, mesh.size, config.mesh.partitions_per_device
     )
-    dense_model = _dense_model.dense_model(config, mesh, model_class=options.model)
+    dense_model = _dense_model.dense_model(scoring, mesh, model_class=options.model)
     if not dense_model.per_example_logits:
         raise UsageError(
             "The model's outputs are not one logit per example, so there is no score per "
             "record to write; a retrieval model's item embeddings come from sparseflow export."
         )
+    # The checkpoint is of the training batch; the dense parameters' shapes are not.
     snapshot = restore(config, mesh, dense_model, options.checkpoint_dir)
     specs = _limits_of(snapshot, config, specs)
     reader = pipelines.ArrayRecordReader(pipelines.list_record_files(options.data))
-    scorer = _Scorer(config, mesh, dense_model, snapshot.arrays, specs)
+    scorer = _Scorer(scoring, mesh, dense_model, snapshot.arrays, specs)
     train_options = _train.TrainOptions(data=options.data, fdo_dir=options.fdo_dir)
-    scored = _score_all(config, train_options, mesh, reader, scorer, options.progress)
+    scored = _score_all(scoring, train_options, mesh, reader, scorer, options.progress)
     if scored.bad_records:
         _log.warning("%d bad records were skipped and have no score.", len(scored.bad_records))
     kept = _kept_values(reader, options.keep)
     return Predictions(snapshot.step, *scored, kept=kept)
+
+
+def with_global_batch(config: RunConfig, batch: int) -> RunConfig:
+    """`config` with global batch `batch`: its features' shapes too.
+
+    Raises:
+      UsageError: `batch` is not a positive multiple of devices x partitions_per_device.
+    """
+    partitions = config.mesh.num_partitions
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1 or batch % partitions:
+        raise UsageError(
+            f"The prediction batch size must be a positive multiple of devices x "
+            f"partitions_per_device = {partitions} (every partition slot takes an equal "
+            f"share), got {batch!r}."
+        )
+    if batch == config.global_batch_size:
+        return config
+    specs = {
+        name: dataclasses.replace(
+            spec,
+            input_shape=(batch, *spec.input_shape[1:]),
+            output_shape=(batch, *spec.output_shape[1:]),
+        )
+        for name, spec in config.feature_specs.items()
+    }
+    return dataclasses.replace(config, global_batch_size=batch, feature_specs=specs)
 
 
 def restore(config: RunConfig, mesh: Mesh, dense_model: Any, directory: Path) -> Snapshot:
@@ -189,7 +225,14 @@ class _Reader:
 
 
 def _limits_of(snapshot: Snapshot, config: RunConfig, specs) -> Any:
-    """`specs` with the limits the checkpoint's run ended with, if it ran on this mesh."""
+    """`specs` with the limits the checkpoint's run ended with, if it ran on this mesh.
+
+    A larger prediction batch raises them on its first batch, to what that
+    batch needs with the config's headroom: measured on the demo config at
+    twice its batch, that scored twice as fast as limits scaled up front by
+    the batches' ratio (docs/benchmarks.md), whose larger buffers every
+    forward pays for.
+    """
     if not _mesh_change.written_here(snapshot.metadata, config):
         return specs
     limits = snapshot.metadata.get("limits")

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="record keys whose values go with each row (e.g. a request id)",
     )
     parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="records per forward (default: the config's global_batch_size); a multiple of "
+        "devices x partitions_per_device",
+    )
+    parser.add_argument(
         "--fdo",
         type=Path,
         help="the FDO output whose dense moments standardize dense keys (only for a config "
@@ -60,7 +66,11 @@ def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
     if requested is not None:
         _launch.use_cpu_devices(requested)
     options = _predict.PredictOptions(
-        checkpoint_dir=args.checkpoint_dir, data=args.data, keep=args.keep, fdo_dir=args.fdo
+        checkpoint_dir=args.checkpoint_dir,
+        data=args.data,
+        keep=args.keep,
+        fdo_dir=args.fdo,
+        batch_size=args.batch_size,
     )
     predictions = _predict.predict(command_config.load(), options)
     path = _predictions_file.write_predictions(predictions, args.out)

@@ -112,6 +112,53 @@ def test_a_batch_over_the_checkpoints_limits_raises_them_and_drops_no_id(
     np.testing.assert_allclose(predictions.scores, reference, rtol=0, atol=1e-6)
 
 
+def test_a_larger_prediction_batch_scores_every_record_as_the_training_batch(
+    trained, records, tmp_path
+):
+    """Twice the config's batch (the records then fill one batch and part of another):
+    the same scores, as the evaluation forward's of the training batch."""
+    config, _, checkpoints = trained
+    data = write_records(tmp_path / "data" / "part-0.array_record", records)
+    scored = {
+        size: _predict.predict(
+            config,
+            _predict.PredictOptions(
+                checkpoint_dir=checkpoints, data=data, batch_size=size, progress=False
+            ),
+        )
+        for size in (None, 2 * config.global_batch_size)
+    }
+    assert RECORDS % (2 * config.global_batch_size) != 0
+    default, larger = scored.values()
+    np.testing.assert_allclose(larger.scores, default.scores, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(larger.labels, default.labels)
+    assert not np.isnan(larger.scores).any()
+
+
+@pytest.mark.parametrize("size", [0, 1000, True])
+def test_a_prediction_batch_that_does_not_divide_among_the_partitions_is_refused(trained, size):
+    config, _, checkpoints = trained
+    assert config.mesh.num_partitions == 16 and 1000 % 16
+    options = _predict.PredictOptions(
+        checkpoint_dir=checkpoints, data="unused", batch_size=size, progress=False
+    )
+    with pytest.raises(sparseflow.UsageError, match=f"multiple of .* = 16 .*got {size!r}"):
+        _predict.predict(config, options)
+
+
+def test_the_command_takes_the_prediction_batch_size(small_run, trained, tmp_path):
+    _, path, _, data = small_run
+    _, _, checkpoints = trained
+    out = tmp_path / "scores.csv"
+    done = cli(
+        "predict", "--config", str(path), "--checkpoint-dir", str(checkpoints),
+        "--data", data, "--out", str(out), "--batch-size", "1000",
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "prediction batch size must be a positive multiple" in done.stderr
+    assert not out.exists()
+
+
 def test_a_user_models_checkpoint_predicts_as_its_evaluation(small_run, records, tmp_path):
     tmp, path, _, data = small_run
     raw = yaml.safe_load(path.read_text())
