@@ -244,12 +244,15 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
       The AUC, or NaN when only one class is present.
     """
     labels = np.asarray(labels).astype(bool)
-    scores = np.asarray(scores, np.float64)
+    scores = np.asarray(scores)
     positives = int(labels.sum())
     negatives = labels.size - positives
     if not positives or not negatives:
         return float("nan")
-    order = np.argsort(scores, kind="stable")
+    # Ties share their mid-rank, so their order does not matter: an unstable
+    # sort of the scores as given (float32 logits) takes 5 ms for a training
+    # window of 100 x 4096 scores, a stable one of them widened to float64 39.
+    order = np.argsort(scores)
     sorted_scores = scores[order]
     ranks = np.empty(scores.size, np.float64)
     starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])

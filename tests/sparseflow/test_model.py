@@ -92,17 +92,19 @@ def test_training_reduces_loss():
 
 
 def _pairwise_auc(labels, scores):
-    pos = scores[labels == 1]
-    neg = scores[labels == 0]
-    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
-    return wins / (len(pos) * len(neg))
+    pos = scores[labels == 1][:, None].astype(np.float64)
+    neg = scores[labels == 0][None, :].astype(np.float64)
+    wins = (pos > neg).sum() + 0.5 * (pos == neg).sum()
+    return wins / (pos.size * neg.size)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_roc_auc_equals_pairwise_count(seed):
+@pytest.mark.parametrize("size", [60, 3000])  # the larger sorts ties out of order
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("seed", range(3))
+def test_roc_auc_equals_pairwise_count(seed, dtype, size):
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 2, 60)
-    scores = rng.integers(0, 8, 60).astype(np.float64)  # many ties
+    labels = rng.integers(0, 2, size)
+    scores = rng.integers(0, 8, size).astype(dtype)  # many ties
     assert _model.roc_auc(labels, scores) == pytest.approx(_pairwise_auc(labels, scores))
 
 
