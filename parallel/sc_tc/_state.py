@@ -190,24 +190,33 @@ def get_initial_state(
 
 
 class _Consumed(NamedTuple):
-    """The leaves of a pipeline state that a call uses up and replaces."""
+    """The leaves of a pipeline state that a call uses up and replaces.
+
+    Donated, each result takes the buffer of the first unused leaf of its
+    shape, in this order (see `jit_step`). The gradients come before the
+    activations so that the new activations take the old gradients' buffer,
+    which the update before the lookup has read, and the new gradients the
+    old activations', which the TC stage read to compute them; in the other
+    order each took the buffer of a value its own call still reads, and XLA
+    copied both, twice each, in every call.
+    """
 
     pipeline_step: Any
-    embedding_activations: Any
-    sc_fwd_aux: Any
     embedding_gradients: Any
     tc_aux: Any
+    embedding_activations: Any
+    sc_fwd_aux: Any
 
 
 def _split_state(state: PipelineState) -> tuple[_Consumed, PipelineState]:
     """`(consumed, kept)`: `kept` is `state` with the consumed leaves set to None."""
     last, before_last = state.last_step_inputs, state.step_before_last_step_inputs
     consumed = _Consumed(
-        state.pipeline_step,
-        last.embedding_activations,
-        last.sc_fwd_aux,
-        before_last.embedding_gradients,
-        before_last.tc_aux,
+        pipeline_step=state.pipeline_step,
+        embedding_gradients=before_last.embedding_gradients,
+        tc_aux=before_last.tc_aux,
+        embedding_activations=last.embedding_activations,
+        sc_fwd_aux=last.sc_fwd_aux,
     )
     kept = state._replace(
         pipeline_step=None,
