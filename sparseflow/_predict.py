@@ -121,7 +121,7 @@ def predict(config: RunConfig, options: PredictOptions) -> Predictions:
             "sparseflow predict runs in one process; start it without --num-processes."
         )
     batch = config.global_batch_size if options.batch_size is None else options.batch_size
-    scoring = with_global_batch(config, batch)
+    scoring = _with_global_batch(config, batch)
     mesh = _train.make_mesh(config.mesh.devices)
     specs = embedding.prepare_feature_specs_for_training(
         scoring.feature_specs, mesh.size, config.mesh.partitions_per_device
@@ -132,7 +132,8 @@ def predict(config: RunConfig, options: PredictOptions) -> Predictions:
             "The model's outputs are not one logit per example, so there is no score per "
             "record to write; a retrieval model's item embeddings come from sparseflow export."
         )
-    # The checkpoint is of the training batch; the dense parameters' shapes are not.
+    # The checkpoint is read as of the config's batch (its features' shapes are part of
+    # the run's identity); the dense state's shapes do not depend on the batch.
     snapshot = restore(config, mesh, dense_model, options.checkpoint_dir)
     specs = _limits_of(snapshot, config, specs)
     reader = pipelines.ArrayRecordReader(pipelines.list_record_files(options.data))
@@ -145,7 +146,7 @@ def predict(config: RunConfig, options: PredictOptions) -> Predictions:
     return Predictions(snapshot.step, *scored, kept=kept)
 
 
-def with_global_batch(config: RunConfig, batch: int) -> RunConfig:
+def _with_global_batch(config: RunConfig, batch: int) -> RunConfig:
     """`config` with global batch `batch`: its features' shapes too.
 
     Raises:
