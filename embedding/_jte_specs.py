@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from embedding._specs import FeatureSpec, StackedTableSpec, TableSettingInStack
+from embedding._specs import FeatureSpec, StackedTableSpec, TableSettingInStack, limits_of
 from embedding._specs import TableSpec as _TableSpec
 from embedding._stacking import Nested
 
@@ -134,12 +134,7 @@ TableSpec.__setattr__ = _assign
 
 def _unplaced(table: _TableSpec, stack: StackedTableSpec) -> _TableSpec:
     return dataclasses.replace(
-        table,
-        max_ids_per_partition=stack.max_ids_per_partition,
-        max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
-        suggested_coo_buffer_size_per_device=stack.suggested_coo_buffer_size_per_device,
-        stacked_table_spec=None,
-        setting_in_stack=None,
+        table, **limits_of(stack), stacked_table_spec=None, setting_in_stack=None
     )
 
 

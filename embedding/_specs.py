@@ -151,6 +151,15 @@ class TableSpec:
         return self.stacked_table_spec is not None
 
 
+def limits_of(spec: TableSpec | StackedTableSpec) -> dict[str, int | None]:
+    """The limits of `spec`, as keywords of either spec: a table and its stack carry the same."""
+    return dict(
+        max_ids_per_partition=spec.max_ids_per_partition,
+        max_unique_ids_per_partition=spec.max_unique_ids_per_partition,
+        suggested_coo_buffer_size_per_device=spec.suggested_coo_buffer_size_per_device,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureIdTransformation:
     """How a feature's ids and samples map into its stacked table.

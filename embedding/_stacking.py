@@ -25,6 +25,7 @@ from embedding._specs import (
     StackedTableSpec,
     TableSettingInStack,
     TableSpec,
+    limits_of,
     round_up,
 )
 from embedding.checks import check_positive_int
@@ -107,9 +108,7 @@ def own_stack(table: TableSpec, num_partitions: int, total_sample_count: int) ->
         optimizer=table.optimizer,
         combiner=table.combiner,
         total_sample_count=total_sample_count,
-        max_ids_per_partition=table.max_ids_per_partition,
-        max_unique_ids_per_partition=table.max_unique_ids_per_partition,
-        suggested_coo_buffer_size_per_device=table.suggested_coo_buffer_size_per_device,
+        **limits_of(table),
     )
     return dataclasses.replace(table, stacked_table_spec=stacked, setting_in_stack=setting)
 

@@ -12,7 +12,7 @@ import jax
 
 from embedding._buffers import INT32_MAX
 from embedding._preprocess import SparseDenseMatmulInputStats
-from embedding._specs import FeatureSpec, round_up
+from embedding._specs import FeatureSpec, limits_of, round_up
 from embedding._stacking import Nested, get_stacked_table_specs, prepare_feature_specs_for_training
 from embedding.checks import check_positive_int
 from embedding.fdo._file import FdoStats, StackFdoStats
@@ -157,11 +157,7 @@ def max_limits(a: StackLimits, b: StackLimits) -> StackLimits:
 def stack_limits(feature_specs: Nested) -> dict[str, StackLimits]:
     """The limits the prepared specs' stacked tables carry, per stack."""
     return {
-        name: StackLimits(
-            max_ids_per_partition=stack.max_ids_per_partition,
-            max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
-            suggested_coo_buffer_size_per_device=stack.suggested_coo_buffer_size_per_device,
-        )
+        name: StackLimits(**limits_of(stack))
         for name, stack in get_stacked_table_specs(feature_specs).items()
     }
 
