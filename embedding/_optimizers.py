@@ -44,32 +44,69 @@ LearningRate = float | Callable[..., Any]
 """A constant, or a schedule called with the step (or with no argument)."""
 
 
-def _check_learning_rate(learning_rate: LearningRate, owner: str) -> None:
-    if callable(learning_rate):
-        return
-    if not np.isfinite(learning_rate) or learning_rate < 0:
+_Check = Callable[[Any], None]
+"""One rule of a spec's fields, called with the spec; raises ValueError if it is broken."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """A condition each of `fields` must meet on its own; the error says `requirement`."""
+
+    requirement: str
+    holds: Callable[[Any], bool]
+    fields: tuple[str, ...]
+
+    def __call__(self, spec: Any) -> None:
+        for name in self.fields:
+            value = getattr(spec, name)
+            if not self.holds(value):
+                raise ValueError(
+                    f"{type(spec).__name__}: {name} {self.requirement}, got {value!r}."
+                )
+
+
+def _non_negative(*fields: str) -> _Rule:
+    return _Rule("must be finite and >= 0", lambda value: np.isfinite(value) and value >= 0, fields)
+
+
+def _decay(*fields: str) -> _Rule:
+    return _Rule("must be in [0, 1)", lambda value: 0 <= value < 1, fields)
+
+
+def _positive(reason: str, *fields: str) -> _Rule:
+    return _Rule(
+        f"must be finite and > 0 ({reason})",
+        lambda value: np.isfinite(value) and value > 0,
+        fields,
+    )
+
+
+_LEARNING_RATE = _Rule(
+    "must be a finite number >= 0 or a callable schedule",
+    lambda value: callable(value) or (np.isfinite(value) and value >= 0),
+    ("learning_rate",),
+)
+
+
+def _accumulator_or_epsilon(consequence: str) -> _Check:
+    """`initial_accumulator_value` and `epsilon` not both 0, else `consequence` follows."""
+
+    def check(spec: Any) -> None:
+        if spec.initial_accumulator_value == 0 and spec.epsilon == 0:
+            raise ValueError(
+                f"{type(spec).__name__}: initial_accumulator_value and epsilon are both 0, so "
+                f"{consequence}; make one of them positive."
+            )
+
+    return check
+
+
+def _no_rms_clip_threshold(spec: Any) -> None:
+    if spec.rms_clip_threshold is not None:
         raise ValueError(
-            f"{owner}: learning_rate must be a finite number >= 0 or a callable "
-            f"schedule, got {learning_rate!r}."
+            f"{type(spec).__name__}: rms_clip_threshold is not supported (jax-tpu-embedding does "
+            f"not support it either); got {spec.rms_clip_threshold!r}, pass None."
         )
-
-
-def _check_non_negative(owner: str, **values: float) -> None:
-    for name, value in values.items():
-        if not np.isfinite(value) or value < 0:
-            raise ValueError(f"{owner}: {name} must be finite and >= 0, got {value!r}.")
-
-
-def _check_decay(owner: str, **values: float) -> None:
-    for name, value in values.items():
-        if not 0 <= value < 1:
-            raise ValueError(f"{owner}: {name} must be in [0, 1), got {value!r}.")
-
-
-def _check_positive(owner: str, reason: str, **values: float) -> None:
-    for name, value in values.items():
-        if not np.isfinite(value) or not value > 0:
-            raise ValueError(f"{owner}: {name} must be finite and > 0 ({reason}), got {value!r}.")
 
 
 def _float32(*values: Any) -> tuple[jax.Array, ...]:
@@ -187,9 +224,14 @@ class OptimizerSpec:
     learning_rate: LearningRate = 0.001
     config_type: ClassVar[str] = "base"
     slots_type: ClassVar[type] = SGDSlots
+    # A spec's own rules, run in order after the learning rate's.
+    _checks: ClassVar[tuple[_Check, ...]] = ()
+    # The fields the update takes after the learning rate, in jax-tpu-embedding's order.
+    _hyperparameters: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        _check_learning_rate(self.learning_rate, type(self).__name__)
+        for check in (_LEARNING_RATE, *self._checks):
+            check(self)
 
     def get_learning_rate(self, step: Any = None) -> Any:
         """Returns the learning rate at `step` (a float or a scalar array)."""
@@ -211,8 +253,10 @@ class OptimizerSpec:
 
     def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
         """The update's scalar hyperparameters at `step`, `float32[]` each, in
-        jax-tpu-embedding's order; `(learning_rate,)` unless a spec adds more."""
-        return _float32(self.get_learning_rate(step))
+        jax-tpu-embedding's order: the learning rate, then the spec's own."""
+        return _float32(
+            self.get_learning_rate(step), *(getattr(self, name) for name in self._hyperparameters)
+        )
 
     def slot_initial_values(self) -> Any:
         """The initial value of every slot variable, as a `slots_type`."""
@@ -246,14 +290,11 @@ class AdagradOptimizerSpec(OptimizerSpec):
     initial_accumulator_value: float = 0.1
     config_type: ClassVar[str] = "adagrad"
     slots_type: ClassVar[type] = AdagradSlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.initial_accumulator_value > 0:
-            raise ValueError(
-                "AdagradOptimizerSpec: initial_accumulator_value must be > 0 (it is "
-                f"a divisor), got {self.initial_accumulator_value!r}."
-            )
+    _checks = (
+        _Rule(
+            "must be > 0 (it is a divisor)", lambda value: value > 0, ("initial_accumulator_value",)
+        ),
+    )
 
     def slot_initial_values(self) -> AdagradSlots:
         return AdagradSlots(float(self.initial_accumulator_value))
@@ -280,18 +321,10 @@ class RowWiseAdagradOptimizerSpec(OptimizerSpec):
     epsilon: float = 1e-8
     config_type: ClassVar[str] = "rowwise_adagrad"
     slots_type: ClassVar[type] = RowWiseAdagradSlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        owner = "RowWiseAdagradOptimizerSpec"
-        _check_non_negative(
-            owner, initial_accumulator_value=self.initial_accumulator_value, epsilon=self.epsilon
-        )
-        if self.initial_accumulator_value == 0 and self.epsilon == 0:
-            raise ValueError(
-                f"{owner}: initial_accumulator_value and epsilon are both 0, so a row's first "
-                "update divides by zero; make one of them positive."
-            )
+    _checks = (
+        _non_negative("initial_accumulator_value", "epsilon"),
+        _accumulator_or_epsilon("a row's first update divides by zero"),
+    )
 
     def slot_initial_values(self) -> RowWiseAdagradSlots:
         return RowWiseAdagradSlots(float(self.initial_accumulator_value))
@@ -316,11 +349,7 @@ class AdamOptimizerSpec(OptimizerSpec):
     epsilon: float = 1e-8
     config_type: ClassVar[str] = "adam"
     slots_type: ClassVar[type] = AdamSlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_decay("AdamOptimizerSpec", beta_1=self.beta_1, beta_2=self.beta_2)
-        _check_non_negative("AdamOptimizerSpec", epsilon=self.epsilon)
+    _checks = (_decay("beta_1", "beta_2"), _non_negative("epsilon"))
 
     def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
         """`(alpha_t, beta_1, beta_2, epsilon_hat)` at time `t = step + 1` (step
@@ -363,35 +392,17 @@ class FTRLOptimizerSpec(OptimizerSpec):
     multiply_linear_by_learning_rate: bool = False
     config_type: ClassVar[str] = "ftrl"
     slots_type: ClassVar[type] = FTRLSlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.learning_rate_power > 0:
-            raise ValueError(
-                "FTRLOptimizerSpec: learning_rate_power must be <= 0, got "
-                f"{self.learning_rate_power!r}."
-            )
-        _check_non_negative(
-            "FTRLOptimizerSpec",
-            l1_regularization_strength=self.l1_regularization_strength,
-            l2_regularization_strength=self.l2_regularization_strength,
-            beta=self.beta,
-        )
-        if not self.initial_accumulator_value > 0:
-            raise ValueError(
-                "FTRLOptimizerSpec: initial_accumulator_value must be > 0, got "
-                f"{self.initial_accumulator_value!r}."
-            )
-
-    def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
-        """`(learning_rate, learning_rate_power, l1, l2, beta)`."""
-        return _float32(
-            self.get_learning_rate(step),
-            self.learning_rate_power,
-            self.l1_regularization_strength,
-            self.l2_regularization_strength,
-            self.beta,
-        )
+    _checks = (
+        _Rule("must be <= 0", lambda value: not value > 0, ("learning_rate_power",)),
+        _non_negative("l1_regularization_strength", "l2_regularization_strength", "beta"),
+        _Rule("must be > 0", lambda value: value > 0, ("initial_accumulator_value",)),
+    )
+    _hyperparameters = (
+        "learning_rate_power",
+        "l1_regularization_strength",
+        "l2_regularization_strength",
+        "beta",
+    )
 
     def slot_initial_values(self) -> FTRLSlots:
         return FTRLSlots(float(self.initial_accumulator_value), float(self.initial_linear_value))
@@ -426,18 +437,12 @@ class LaPropOptimizerSpec(OptimizerSpec):
     initial_slot_value: float = 0.0
     config_type: ClassVar[str] = "laprop"
     slots_type: ClassVar[type] = LaPropSlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        owner = "LaPropOptimizerSpec"
-        _check_decay(owner, b1=self.b1, b2=self.b2)
-        _check_positive(owner, "it is a divisor", eps=self.eps)
-        _check_non_negative(owner, initial_slot_value=self.initial_slot_value)
-        if self.rms_clip_threshold is not None:
-            raise ValueError(
-                f"{owner}: rms_clip_threshold is not supported (jax-tpu-embedding does not "
-                f"support it either); got {self.rms_clip_threshold!r}, pass None."
-            )
+    _checks = (
+        _decay("b1", "b2"),
+        _positive("it is a divisor", "eps"),
+        _non_negative("initial_slot_value"),
+        _no_rms_clip_threshold,
+    )
 
     def get_decay_rate(self, step: Any = None) -> jax.Array:
         """`float32[]`: the squared-gradient decay at `step`; `b2` when step is None."""
@@ -487,38 +492,18 @@ class AdagradMomentumOptimizerSpec(OptimizerSpec):
     initial_momentum_value: float = 0.0
     config_type: ClassVar[str] = "adagrad_momentum"
     slots_type: ClassVar[type] = AdagradMomentumSlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        owner = "AdagradMomentumOptimizerSpec"
-        _check_non_negative(
-            owner,
-            momentum=self.momentum,
-            epsilon=self.epsilon,
-            initial_accumulator_value=self.initial_accumulator_value,
-        )
-        _check_positive(owner, "the root taken of the accumulator", exponent=self.exponent)
-        if not 0 < self.beta2 <= 1:
-            raise ValueError(f"{owner}: beta2 must be in (0, 1], got {self.beta2!r}.")
-        if self.initial_accumulator_value == 0 and self.epsilon == 0:
-            raise ValueError(
-                f"{owner}: initial_accumulator_value and epsilon are both 0, so a padding "
-                "column's scale is 0 to a negative power; make one of them positive."
-            )
+    _checks = (
+        _non_negative("momentum", "epsilon", "initial_accumulator_value"),
+        _positive("the root taken of the accumulator", "exponent"),
+        _Rule("must be in (0, 1]", lambda value: 0 < value <= 1, ("beta2",)),
+        _accumulator_or_epsilon("a padding column's scale is 0 to a negative power"),
+    )
+    _hyperparameters = ("momentum", "beta2", "epsilon", "exponent")
 
     def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
         """`(learning_rate, momentum, beta2, epsilon, exponent, use_nesterov)`,
         the last `bool[]`."""
-        return (
-            *_float32(
-                self.get_learning_rate(step),
-                self.momentum,
-                self.beta2,
-                self.epsilon,
-                self.exponent,
-            ),
-            jnp.asarray(self.use_nesterov, jnp.bool_),
-        )
+        return (*super().get_hyperparameters(step), jnp.asarray(self.use_nesterov, jnp.bool_))
 
     def slot_initial_values(self) -> AdagradMomentumSlots:
         return AdagradMomentumSlots(
@@ -555,33 +540,27 @@ class F2AOptimizerSpec(OptimizerSpec):
     max_lr_multiplier: float = 1e6
     config_type: ClassVar[str] = "f2a"
     slots_type: ClassVar[type] = F2ASlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        owner = "F2AOptimizerSpec"
-        _check_non_negative(
-            owner,
-            rho=self.rho,
-            initial_local_step_value=self.initial_local_step_value,
-            l1_regularization_strength=self.l1_regularization_strength,
-            l2_regularization_strength=self.l2_regularization_strength,
-        )
-        _check_positive(
-            owner, "its root is a divisor", initial_accumulator_value=self.initial_accumulator_value
-        )
-        _check_positive(owner, "the cap on the boost", max_lr_multiplier=self.max_lr_multiplier)
+    _checks = (
+        _non_negative(
+            "rho",
+            "initial_local_step_value",
+            "l1_regularization_strength",
+            "l2_regularization_strength",
+        ),
+        _positive("its root is a divisor", "initial_accumulator_value"),
+        _positive("the cap on the boost", "max_lr_multiplier"),
+    )
+    _hyperparameters = (
+        "rho",
+        "l1_regularization_strength",
+        "l2_regularization_strength",
+        "max_lr_multiplier",
+    )
 
     def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
         """`(learning_rate, rho, l1, l2, max_lr_multiplier, step)`; step None is 0."""
         step = 0 if step is None else step
-        return _float32(
-            self.get_learning_rate(step),
-            self.rho,
-            self.l1_regularization_strength,
-            self.l2_regularization_strength,
-            self.max_lr_multiplier,
-            step,
-        )
+        return (*super().get_hyperparameters(step), *_float32(step))
 
     def slot_initial_values(self) -> F2ASlots:
         return F2ASlots(float(self.initial_accumulator_value), float(self.initial_local_step_value))
@@ -614,25 +593,14 @@ class RowWiseAdamOptimizerSpec(OptimizerSpec):
     weight_decay: float = 0.0
     config_type: ClassVar[str] = "rowwise_adam"
     slots_type: ClassVar[type] = RowWiseAdamSlots
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        owner = "RowWiseAdamOptimizerSpec"
-        _check_decay(owner, beta_1=self.beta_1, beta_2=self.beta_2)
-        _check_non_negative(owner, epsilon=self.epsilon, weight_decay=self.weight_decay)
+    _checks = (_decay("beta_1", "beta_2"), _non_negative("epsilon", "weight_decay"))
+    _hyperparameters = ("beta_1", "beta_2", "epsilon", "weight_decay")
 
     def get_hyperparameters(self, step: Any = None) -> tuple[jax.Array, ...]:
         """`(learning_rate, beta_1, beta_2, epsilon, weight_decay, t)` with `t =
         step + 1` (step None is 0), `float32[]` each."""
         step = 0 if step is None else step
-        return _float32(
-            self.get_learning_rate(step),
-            self.beta_1,
-            self.beta_2,
-            self.epsilon,
-            self.weight_decay,
-            step + 1,
-        )
+        return (*super().get_hyperparameters(step), *_float32(step + 1))
 
     def slot_initial_values(self) -> RowWiseAdamSlots:
         return RowWiseAdamSlots(0.0, 0.0)
