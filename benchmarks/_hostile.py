@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from parallel.allreduce import allreduce_pb2 as pb
-from parallel.allreduce import allreduce_pb2_grpc as pb_grpc
+from parallel.allreduce._rpc import AllReduceStub
 
 IDLE_STREAMS = 64
 FORGED_PER_S = 500
@@ -132,9 +132,7 @@ class Stranger:
                 silent = queue.SimpleQueue()
                 channels.append(channel)
                 requests.append(silent)
-                calls.append(
-                    pb_grpc.AllReduceStub(channel).ContributeStream(iter(silent.get, None))
-                )
+                calls.append(AllReduceStub(channel).ContributeStream(iter(silent.get, None)))
             while self._running():
                 self._stop.wait(0.1)
         finally:
@@ -149,7 +147,7 @@ class Stranger:
         world = len(self._ports)
         rng = np.random.default_rng([self._seed, rank, 7])
         with grpc.insecure_channel(f"127.0.0.1:{self._ports[rank]}") as channel:
-            stub = pb_grpc.AllReduceStub(channel)
+            stub = AllReduceStub(channel)
             while self._running():
                 try:
                     for _ in stub.ContributeStream(self._forged(rng, (rank + 1) % world)):

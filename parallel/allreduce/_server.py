@@ -12,7 +12,7 @@ from concurrent import futures
 
 import grpc
 
-from parallel.allreduce import allreduce_pb2_grpc
+from parallel.allreduce import _rpc
 from parallel.allreduce._servicer import AllReduceServicer
 
 _log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class BoundServer:
                 f"each of the {peers} peers holds a thread with its stream, and one more "
                 f"serves a peer that reconnects; bind it with max_workers >= {peers + 2}."
             )
-        allreduce_pb2_grpc.add_AllReduceServicer_to_server(servicer, self._server)
+        _rpc.add_servicer(servicer, self._server)
         self._server.start()
         self._started = True
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import grpc
 from google.protobuf import empty_pb2
 
-from parallel.allreduce import allreduce_pb2, allreduce_pb2_grpc
+from parallel.allreduce import allreduce_pb2
 from parallel.allreduce._admission import StreamRegistry
 from parallel.allreduce._errors import AllReduceClosedError, UnauthenticatedError
 from parallel.allreduce._tls import rank_of_identities
@@ -25,7 +25,7 @@ Receive = Callable[[allreduce_pb2.AllReduceData, int | None], int]
 ACK_EVERY = 64
 
 
-class AllReduceServicer(allreduce_pb2_grpc.AllReduceServicer):
+class AllReduceServicer:
     """Hands every message to `receive` and turns its errors into status codes.
 
     `ValueError` (wrong rank, no value, a value of the other kind, a key out

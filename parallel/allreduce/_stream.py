@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from parallel.allreduce import allreduce_pb2, allreduce_pb2_grpc
+from parallel.allreduce import _rpc, allreduce_pb2
 
 _log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class PeerStream:
     def __init__(
         self, *, channel: grpc.Channel, peer_rank: int, address: str, on_rejected: OnRejected
     ):
-        self._open_call = allreduce_pb2_grpc.AllReduceStub(channel).ContributeStream
+        self._open_call = _rpc.AllReduceStub(channel).ContributeStream
         self._peer_rank = peer_rank
         self._address = address
         self._on_rejected = on_rejected

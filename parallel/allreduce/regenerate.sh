@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Regenerates allreduce_pb2.py, allreduce_pb2.pyi and allreduce_pb2_grpc.py
-# from allreduce.proto.
+# Regenerates allreduce_pb2.py and allreduce_pb2.pyi, the messages, from
+# allreduce.proto; the service's methods are bound by hand in _rpc.py.
 #
 # The code generator runs in a throwaway virtualenv: grpcio-tools pins its own
 # protobuf, and newer releases need protobuf 7, which the project's runtime
 # (protobuf>=6.33,<7) must not be upgraded to. grpcio-tools 1.80.0 emits
-# protobuf 6.31.1 gencode and grpc 1.80.0 stubs; both version checks pass for
-# every runtime that pyproject.toml allows (protobuf>=6.33, grpcio>=1.80).
+# protobuf 6.31.1 gencode, whose version check passes for every runtime that
+# pyproject.toml allows (protobuf>=6.33).
 #
 #   parallel/allreduce/regenerate.sh [python3]
 set -euo pipefail
@@ -24,11 +24,6 @@ cd "${here}"
   --proto_path=. \
   --python_out=. \
   --pyi_out=. \
-  --grpc_python_out=. \
   allreduce.proto
 
-# protoc writes an absolute import of the sibling module; the stubs live in a
-# package, so make it relative.
-sed -i 's/^import allreduce_pb2 as /from . import allreduce_pb2 as /' allreduce_pb2_grpc.py
-grep -q '^from . import allreduce_pb2 as ' allreduce_pb2_grpc.py
 echo "regenerated: $(ls allreduce_pb2*)"

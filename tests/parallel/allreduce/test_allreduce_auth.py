@@ -8,9 +8,9 @@ import pytest
 
 from parallel.allreduce import AllReduceNode, AllReduceSecurity
 from parallel.allreduce import allreduce_pb2 as pb
-from parallel.allreduce import allreduce_pb2_grpc as pb_grpc
 from parallel.allreduce._auth import MessageAuthenticator, read_secret
 from parallel.allreduce._codec import Contribution
+from parallel.allreduce._rpc import AllReduceStub
 from parallel.allreduce._values import ValueKind
 
 RPC_TIMEOUT_S = 20
@@ -22,9 +22,7 @@ def stranger_sends(node, **fields):
     """One unary `ContributeData` to `node`; the status code it got."""
     with grpc.insecure_channel(f"127.0.0.1:{node.port}") as channel:
         try:
-            pb_grpc.AllReduceStub(channel).ContributeData(
-                pb.AllReduceData(**fields), timeout=RPC_TIMEOUT_S
-            )
+            AllReduceStub(channel).ContributeData(pb.AllReduceData(**fields), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             return e.code()
     return grpc.StatusCode.OK

@@ -12,8 +12,8 @@ import pytest
 
 from parallel.allreduce import AllReduceNode, bind_server
 from parallel.allreduce import allreduce_pb2 as pb
-from parallel.allreduce import allreduce_pb2_grpc as pb_grpc
 from parallel.allreduce._admission import StreamRegistry
+from parallel.allreduce._rpc import AllReduceStub
 from parallel.allreduce._server import is_loopback
 from parallel.allreduce._servicer import AllReduceServicer
 
@@ -46,7 +46,7 @@ class Stranger:
             requests.put(pb.AllReduceData(**fields))
         if half_close:
             requests.put(None)
-        call = pb_grpc.AllReduceStub(channel).ContributeStream(iter(requests.get, None))
+        call = AllReduceStub(channel).ContributeStream(iter(requests.get, None))
         grpc.channel_ready_future(channel).result(timeout=WAIT_S)
         self._channels.append(channel)
         self._queues.append(requests)
@@ -150,7 +150,7 @@ def test_more_calls_than_threads_are_refused():
     message = pb.AllReduceData(sync_key=1, src_rank=1, bool_val=True)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.AllReduceStub(channel)
+            stub = AllReduceStub(channel)
             held = [stub.ContributeData.future(message, timeout=RPC_TIMEOUT_S) for _ in range(3)]
             for _ in held:
                 assert entered.acquire(timeout=WAIT_S)

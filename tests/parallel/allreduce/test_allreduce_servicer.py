@@ -11,7 +11,7 @@ from parallel.allreduce import (
     AllReducePeerError,
 )
 from parallel.allreduce import allreduce_pb2 as pb
-from parallel.allreduce import allreduce_pb2_grpc as pb_grpc
+from parallel.allreduce._rpc import AllReduceStub
 from parallel.allreduce._servicer import ACK_EVERY
 
 RPC_TIMEOUT_S = 20
@@ -30,7 +30,7 @@ def node():
 @pytest.fixture
 def stub(node):
     with grpc.insecure_channel(f"127.0.0.1:{node.port}") as channel:
-        yield pb_grpc.AllReduceStub(channel)
+        yield AllReduceStub(channel)
 
 
 def send(stub, **fields):
@@ -97,7 +97,7 @@ def test_servicer_maps_errors_to_status_codes(error, code):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             with pytest.raises(grpc.RpcError) as info:
-                send(pb_grpc.AllReduceStub(channel), sync_key=1, src_rank=1, bool_val=True)
+                send(AllReduceStub(channel), sync_key=1, src_rank=1, bool_val=True)
     finally:
         server.stop(0)
     assert info.value.code() is code and info.value.details() == str(error)
@@ -143,7 +143,7 @@ def test_stream_of_a_closed_node_ends_unavailable():
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             with pytest.raises(grpc.RpcError) as info:
-                stub = pb_grpc.AllReduceStub(channel)
+                stub = AllReduceStub(channel)
                 stream(stub, [dict(sync_key=1, src_rank=1, bool_val=True)])
     finally:
         server.stop(0)

@@ -7,7 +7,7 @@ import pytest
 
 from parallel.allreduce import AllReduceNode, AllReduceSecurity, bind_server
 from parallel.allreduce import allreduce_pb2 as pb
-from parallel.allreduce import allreduce_pb2_grpc as pb_grpc
+from parallel.allreduce._rpc import AllReduceStub
 from parallel.allreduce._tls import TlsFiles, channel_options, rank_of_identities
 
 RPC_TIMEOUT_S = 5
@@ -20,9 +20,7 @@ def contribute_as(node, tls_dir, cert_rank, **fields):
     address = f"127.0.0.1:{node.port}"
     with grpc.secure_channel(address, files.channel_credentials(), options=options) as channel:
         try:
-            pb_grpc.AllReduceStub(channel).ContributeData(
-                pb.AllReduceData(**fields), timeout=RPC_TIMEOUT_S
-            )
+            AllReduceStub(channel).ContributeData(pb.AllReduceData(**fields), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             return e.code()
     return grpc.StatusCode.OK
@@ -49,7 +47,7 @@ def test_a_client_without_a_certificate_is_refused(make_group, tls_dir):
     address = f"127.0.0.1:{node.port}"
     with grpc.secure_channel(address, credentials, options=channel_options(0)) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.AllReduceStub(channel).ContributeData(
+            AllReduceStub(channel).ContributeData(
                 pb.AllReduceData(sync_key=1, src_rank=1, bool_val=True), timeout=RPC_TIMEOUT_S
             )
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
