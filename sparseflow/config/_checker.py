@@ -222,12 +222,17 @@ def choice(node: Node, key: str, choices: Mapping[str, Any] | tuple[str, ...], w
     return value
 
 
+def enum_values(cls: type[enum.Enum]) -> tuple[str, ...]:
+    """The values of `cls`'s members, the choices a config may write."""
+    return tuple(member.value for member in cls)
+
+
 def enum_choice(node: Node, key: str, default: enum.Enum, what: str) -> enum.Enum:
     """The member of `default`'s enum named by the value at `key`, or `default` when absent."""
     if key not in node.value:
         return default
     cls = type(default)
-    return cls(choice(node, key, tuple(member.value for member in cls), what))
+    return cls(choice(node, key, enum_values(cls), what))
 
 
 def build(node: Node, cls: Callable[..., Any], kwargs: dict[str, Any]) -> Any:

@@ -27,6 +27,8 @@ from sparseflow.config._checker import (
     build,
     check_kind,
     choice,
+    enum_choice,
+    enum_values,
     get,
     integer,
     mapping,
@@ -37,17 +39,9 @@ _DENSE_KEYS = ("key", "length", "type", "default", "transform")
 _LABEL_KEYS = ("key", "type", "threshold")
 
 
-def _values(cls) -> tuple[str, ...]:
-    return tuple(member.value for member in cls)
-
-
 def _sparse(node: Node, name: str, table: embedding.TableSpec) -> pipelines.SparseColumn:
     mapping(node, (), _SPARSE_KEYS)
-    ids = pipelines.IdType(
-        choice(node, "ids", _values(pipelines.IdType), "id type")
-        if "ids" in node.value
-        else "int64"
-    )
+    ids = enum_choice(node, "ids", pipelines.IdType.INT64, "id type")
     return build(
         node,
         pipelines.SparseColumn,
@@ -85,10 +79,10 @@ def _dense(node: Node) -> pipelines.DenseColumn:
     mapping(node, ("key",), _DENSE_KEYS[1:])
     kwargs = dict(key=get(node, "key", "str"), length=integer(node, "length", 1))
     if "type" in node.value:
-        kwargs["type"] = choice(node, "type", _values(pipelines.ValueType), "value type")
+        kwargs["type"] = choice(node, "type", enum_values(pipelines.ValueType), "value type")
     if "transform" in node.value:
         kwargs["transform"] = choice(
-            node, "transform", _values(pipelines.DenseTransform), "dense transform"
+            node, "transform", enum_values(pipelines.DenseTransform), "dense transform"
         )
     kwargs["default"] = get(node, "default", "number")
     return build(node, pipelines.DenseColumn, kwargs)
@@ -98,7 +92,7 @@ def _label(node: Node) -> pipelines.LabelColumn:
     mapping(node, (), _LABEL_KEYS)
     kwargs = {"key": get(node, "key", "str", pipelines.LabelColumn.key)}
     if "type" in node.value:
-        kwargs["type"] = choice(node, "type", _values(pipelines.ValueType), "label type")
+        kwargs["type"] = choice(node, "type", enum_values(pipelines.ValueType), "label type")
     if "threshold" in node.value:
         if kwargs.get("type") != pipelines.ValueType.FLOAT.value:
             raise node.child("threshold").error("a threshold applies to a float label only")

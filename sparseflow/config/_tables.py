@@ -11,6 +11,7 @@ from sparseflow.config._checker import (
     build,
     check_kind,
     choice,
+    enum_values,
     get,
     integer,
     mapping,
@@ -56,7 +57,6 @@ def _table(node: Node) -> embedding.TableSpec:
         ),
         ("suggested_coo_buffer_size_per_device",),
     )
-    combiners = tuple(c.value for c in embedding.Combiner)
     return build(
         node,
         embedding.TableSpec,
@@ -64,7 +64,7 @@ def _table(node: Node) -> embedding.TableSpec:
             name=get(node, "name", "str"),
             vocabulary_size=integer(node, "vocabulary_size"),
             embedding_dim=integer(node, "embedding_dim"),
-            combiner=choice(node, "combiner", combiners, "combiner"),
+            combiner=choice(node, "combiner", enum_values(embedding.Combiner), "combiner"),
             optimizer=typed_spec(node.child("optimizer"), _OPTIMIZERS, "optimizer"),
             initializer=typed_spec(node.child("initializer"), _INITIALIZERS, "initializer"),
             max_ids_per_partition=integer(node, "max_ids_per_partition"),
