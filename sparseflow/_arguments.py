@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sparseflow._shipped_configs import shipped_config_names
 
@@ -110,6 +112,18 @@ def add_optional_config_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_checkpoint_dir_argument(parser: argparse.ArgumentParser, what: str) -> None:
-    """`--checkpoint-dir D`, required: a run's checkpoints, which the command only reads."""
-    parser.add_argument("--checkpoint-dir", type=Path, required=True, help=what)
+def add_checkpoint_arguments(
+    parser: argparse.ArgumentParser, config: str, checkpoint_dir: str
+) -> None:
+    """`--config C` and `--checkpoint-dir D`, required, and `--devices N`: a run's
+    config and checkpoints, which the command only reads, and the mesh it reads them for."""
+    add_config_argument(parser, config)
+    add_devices_argument(parser)
+    parser.add_argument("--checkpoint-dir", type=Path, required=True, help=checkpoint_dir)
+
+
+def add_out_argument(
+    parser: argparse.ArgumentParser, what: str, parse: Callable[[str], Any] = Path
+) -> None:
+    """`--out`, required: where the command writes, read by `parse`."""
+    parser.add_argument("--out", type=parse, required=True, help=what)

@@ -32,11 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparseflow import _mesh_change, _run_identity
-from sparseflow._arguments import (
-    add_checkpoint_dir_argument,
-    add_config_argument,
-    add_devices_argument,
-)
+from sparseflow._arguments import add_checkpoint_arguments, add_out_argument
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
 from sparseflow._dense_model import dense_model
@@ -183,15 +179,12 @@ def _write(snapshot: Snapshot, step_folder: Path, out: Path, metadata: dict) -> 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_argument(parser, "the run's YAML config on the mesh to convert for")
-    add_devices_argument(parser)
-    add_checkpoint_dir_argument(
+    add_checkpoint_arguments(
         parser,
+        "the run's YAML config on the mesh to convert for",
         "the run's checkpoints (only read: the run may still be writing them)",
     )
-    parser.add_argument(
-        "--out", type=Path, required=True, help="an empty or new folder for the converted one"
-    )
+    add_out_argument(parser, "an empty or new folder for the converted one")
 
 
 def run(args: argparse.Namespace, command_config: CommandConfig) -> None:

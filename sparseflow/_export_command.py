@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from sparseflow import _export, _launch
-from sparseflow._arguments import (
-    add_checkpoint_dir_argument,
-    add_config_argument,
-    add_devices_argument,
-)
+from sparseflow._arguments import add_checkpoint_arguments, add_out_argument
 from sparseflow._command_config import CommandConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `export` subcommand's arguments."""
-    add_config_argument(parser, "the run's YAML config (the checkpoint records its layout only)")
-    add_devices_argument(parser)
-    add_checkpoint_dir_argument(parser, "the run's checkpoints; the newest that reads is exported")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        required=True,
-        help="an empty or new folder: tables, manifest, jax.export program, SavedModel",
+    add_checkpoint_arguments(
+        parser,
+        "the run's YAML config (the checkpoint records its layout only)",
+        "the run's checkpoints; the newest that reads is exported",
+    )
+    add_out_argument(
+        parser, "an empty or new folder: tables, manifest, jax.export program, SavedModel"
     )
 
 

@@ -6,31 +6,23 @@ import argparse
 from pathlib import Path
 
 from sparseflow import _launch, _predict, _predictions_file
-from sparseflow._arguments import (
-    add_checkpoint_dir_argument,
-    add_config_argument,
-    add_devices_argument,
-)
+from sparseflow._arguments import add_checkpoint_arguments, add_out_argument
 from sparseflow._command_config import CommandConfig
 from sparseflow._errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `predict` subcommand's arguments."""
-    add_config_argument(parser, "the run's YAML config")
-    add_devices_argument(parser)
-    add_checkpoint_dir_argument(
+    add_checkpoint_arguments(
         parser,
+        "the run's YAML config",
         "the run's checkpoints; the newest that reads scores (only read)",
     )
     parser.add_argument(
         "--data", required=True, help="ArrayRecord files, directories or globs to score"
     )
-    parser.add_argument(
-        "--out",
-        type=_output_file,
-        required=True,
-        help="the rows: score, label, kept keys; .parquet, .csv or .jsonl",
+    add_out_argument(
+        parser, "the rows: score, label, kept keys; .parquet, .csv or .jsonl", _output_file
     )
     parser.add_argument(
         "--keep",
