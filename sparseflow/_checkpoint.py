@@ -21,6 +21,7 @@ arrays; a run can read a checkpoint of another layout (another mesh,
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -43,8 +44,9 @@ _log = logging.getLogger(__name__)
 _SET_ASIDE = re.compile(r"^(\d+)\.replaced$")
 # Where orbax writes a step before renaming it to the step's number.
 _TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
-# The item of the input positions, and one process's file in it (Grain's naming).
-_INPUT = "input"
+# A checkpoint's items: the arrays, the metadata, the input positions.
+_ARRAYS, _METADATA, _INPUT = "arrays", "metadata", "input"
+# One process's file in the input positions (Grain's naming).
 _POSITION_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
 
 
@@ -157,11 +159,22 @@ class Checkpoints:
         if not read_only and jax.process_index() == 0 and self._directory.is_dir():
             _recover_from_crash(self._directory)
         _hosts.barrier("sparseflow:checkpoints_recovered")
+        handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        # Tables and slots hardly compress, and compressing them held every
+        # encoded array in memory at once: a save's peak was about twice the
+        # arrays, and it was several times slower (docs/benchmarks.md).
+        # Compressed checkpoints of earlier runs still restore.
+        handlers.add(
+            _ARRAYS, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False)
+        )
+        handlers.add(_METADATA, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+        handlers.add(_INPUT, grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointHandler())
         self._manager = ocp.CheckpointManager(
             self._directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, create=not read_only, read_only=read_only
             ),
+            handler_registry=handlers,
         )
         # Restores read the items through their handlers, not the manager:
         # the manager's restore ends in a barrier that a process whose read
@@ -198,9 +211,11 @@ class Checkpoints:
             self._manager.save(
                 snapshot.step,
                 args=ocp.args.Composite(
-                    arrays=ocp.args.StandardSave(snapshot.arrays),
-                    metadata=ocp.args.JsonSave(metadata),
-                    input=grain.checkpoint.CheckpointSave(_Position(snapshot.iterator_state)),
+                    **{
+                        _ARRAYS: ocp.args.PyTreeSave(snapshot.arrays),
+                        _METADATA: ocp.args.JsonSave(metadata),
+                        _INPUT: grain.checkpoint.CheckpointSave(_Position(snapshot.iterator_state)),
+                    }
                 ),
                 force=True,
             )
@@ -326,7 +341,7 @@ class Checkpoints:
             return None, damage
         position = _Position()
         try:
-            arrays_directory, abstract = step_directory / "arrays", abstract_like(reading.like)
+            arrays_directory, abstract = step_directory / _ARRAYS, abstract_like(reading.like)
             restored = (
                 _restore_partially(arrays_directory, abstract)
                 if reading.partial
@@ -346,12 +361,16 @@ class Checkpoints:
         state = b"" if inspected_elsewhere else position.get_state()
         # Orbax restores scalars onto one device; place every array as in `like`.
         arrays = jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), restored, reading.like)
+        # The host copies orbax read the arrays into stay in reference cycles:
+        # left to the collector, a resumed run trains beside a second copy of
+        # its tables for as long as the collector waits.
+        gc.collect()
         return reading.adapt(Snapshot(step, arrays, state, metadata)), None
 
     def _metadata(self, step: int) -> tuple[dict | None, str | None]:
         try:
             metadata = self._metadata_handler.restore(
-                self._directory / str(step) / "metadata", args=ocp.args.JsonRestore()
+                self._directory / str(step) / _METADATA, args=ocp.args.JsonRestore()
             )
         except Exception as e:  # noqa: BLE001 - any failure to read it means "damaged"
             return None, str(e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import pytest
 import yaml
 from train_cases import assert_bitwise_equal_runs, cli, write_data
 
-from sparseflow import _train, load_config
+from sparseflow import _checkpoint, _train, load_config
 from sparseflow._checkpoint import CheckpointMismatchError, Checkpoints, Snapshot
 
 HERE = Path(__file__).resolve().parent
@@ -76,6 +77,63 @@ def test_a_step_saved_again_replaces_the_old_one(tmp_path):
     assert snapshot.step == 2
     np.testing.assert_array_equal(np.asarray(snapshot.arrays["w"]), 20.0)
     assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+
+
+def _array_file_bytes(step_directory: Path) -> int:
+    return sum(p.stat().st_size for p in (step_directory / "arrays").rglob("*") if p.is_file())
+
+
+def test_the_arrays_are_written_uncompressed_and_restore_equal(tmp_path):
+    # Zeros: what any compression shrinks most.
+    directory = tmp_path / "checkpoints"
+    _saved(directory, {1: 0.0})
+    shape = (64, 64)
+    assert _array_file_bytes(directory / "1") >= np.prod(shape) * 4
+    np.testing.assert_array_equal(_restored(directory).arrays["w"], np.zeros(shape, np.float32))
+
+
+def test_a_compressed_checkpoint_of_an_earlier_run_still_restores(tmp_path, monkeypatch):
+    directory = tmp_path / "checkpoints"
+    with monkeypatch.context() as patched:
+        compressed = _checkpoint.ocp.PyTreeCheckpointHandler
+        patched.setattr(
+            _checkpoint.ocp,
+            "PyTreeCheckpointHandler",
+            lambda **kwargs: compressed(**{**kwargs, "use_compression": True}),
+        )
+        _saved(directory, {1: 0.0, 2: 2.5})
+    assert _array_file_bytes(directory / "2") < 64 * 64 * 4 / 4  # the case: compressed
+    restored = _restored(directory)
+    assert restored.step == 2
+    np.testing.assert_array_equal(restored.arrays["w"], np.full((64, 64), 2.5, np.float32))
+
+
+def test_a_restore_leaves_no_second_copy_of_the_arrays_resident(tmp_path):
+    """The host copies orbax reads into are freed by the restore, not by the
+    collector whenever it runs (it does not run here)."""
+    directory, shape = tmp_path / "checkpoints", (4096, 16384)  # 256 MiB
+    checkpoints = Checkpoints(directory, run=RUN)
+    checkpoints.save(_snapshot(1, 1.5, shape))
+    checkpoints.close()
+    nbytes = np.prod(shape) * 4
+    gc.collect()
+    gc.disable()
+    try:
+        before = _resident_bytes()
+        restored = _restored(directory, shape=shape).arrays["w"]
+        grown = _resident_bytes() - before
+    finally:
+        gc.enable()
+    assert float(restored[-1, -1]) == 1.5
+    # The restored arrays and at most a tenth more; a second copy would be 2.
+    assert grown < 1.1 * nbytes, grown / nbytes
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def test_a_checkpoint_of_other_arrays_is_an_error_not_damage(tmp_path):
