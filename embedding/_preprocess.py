@@ -72,21 +72,11 @@ class PreprocessedInput(NamedTuple):
     sparse_dense_matmul_input: SparseDenseMatmulInput
     num_minibatches: np.ndarray
 
-    @property
-    def lhs_row_pointers(self) -> Mapping[str, np.ndarray]:
-        return self.sparse_dense_matmul_input.lhs_row_pointers
-
-    @property
-    def lhs_embedding_ids(self) -> Mapping[str, np.ndarray]:
-        return self.sparse_dense_matmul_input.lhs_embedding_ids
-
-    @property
-    def lhs_sample_ids(self) -> Mapping[str, np.ndarray]:
-        return self.sparse_dense_matmul_input.lhs_sample_ids
-
-    @property
-    def lhs_gains(self) -> Mapping[str, np.ndarray]:
-        return self.sparse_dense_matmul_input.lhs_gains
+    # The layout's arrays, read through as attributes of the input itself.
+    lhs_row_pointers = property(lambda self: self.sparse_dense_matmul_input.lhs_row_pointers)
+    lhs_embedding_ids = property(lambda self: self.sparse_dense_matmul_input.lhs_embedding_ids)
+    lhs_sample_ids = property(lambda self: self.sparse_dense_matmul_input.lhs_sample_ids)
+    lhs_gains = property(lambda self: self.sparse_dense_matmul_input.lhs_gains)
 
 
 @dataclasses.dataclass
