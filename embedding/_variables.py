@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from embedding._initializers import Constant, Normal, TruncatedNormal, Uniform
 from embedding._specs import StackedTableSpec, TableSpec
 from embedding._stacking import Nested, prepare_feature_specs_for_training
 
@@ -199,8 +200,28 @@ def _alike(tables: Sequence[TableSpec]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _draw(initializer, shape: tuple[int, int], key: jax.Array) -> jax.Array:
-    return initializer(key, shape, jnp.float32)
+def _drawn_by_id(initializer) -> bool:
+    """Whether `initializer`'s value for an entry depends only on its index in
+    the flattened table (not on the shape drawn): true of this package's
+    initializers under partitionable threefry (JAX's default)."""
+    return (
+        isinstance(initializer, (Constant, Normal, TruncatedNormal, Uniform))
+        and jax.config.jax_threefry_partitionable
+    )
+
+
+def _rotated(block: jax.Array, rotations: Sequence[int], i: jax.Array) -> jax.Array:
+    """`block` (`[N, rows, dim]`) rolled along partitions by `rotations[i]`.
+
+    One branch per distinct rotation, each a roll by a constant: a roll by a
+    traced count gathered the whole table on every device.
+    """
+    distinct = sorted(set(rotations))
+    branches = [functools.partial(jnp.roll, shift=r, axis=0) for r in distinct]
+    if len(branches) == 1:
+        return branches[0](block)
+    index = jnp.asarray([distinct.index(r) for r in rotations], jnp.int32)[i]
+    return jax.lax.switch(index, branches, block)
 
 
 def _init_stack(key: jax.Array, members: StackMembers, num_partitions: int, sharding):
@@ -253,25 +274,45 @@ def _draw_group(
       sharding: the stacked table's row sharding.
     """
     first = group[0]
-    shape = (first.vocabulary_size, first.embedding_dim)
+    setting = first.setting_in_stack
+    num_partitions = stacked.shape[0]
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         key, np.array([_name_hash(t.name) for t in group], np.uint32)
     )  # table_key's
     starts = jnp.asarray(rows_before, jnp.int32)
-    # Relative to the first table's rotation, which `_partition_blocks` applies.
-    rotations = jnp.asarray(
-        [t.setting_in_stack.shard_rotation - first.setting_in_stack.shard_rotation for t in group],
-        jnp.int32,
-    )
-    num_partitions = stacked.shape[0]
-    # Pinning the drawn table to the row sharding makes every device draw only
-    # its own rows (partitionable threefry), never a whole table.
+    rotations = [t.setting_in_stack.shard_rotation for t in group]
+    if _drawn_by_id(first.initializer):
+        # Drawn as [rows per partition, N, dim], entry [a, q] is id a*N + q's,
+        # as in the logical draw, and each device draws only its partitions'
+        # ids: the table is never moved between devices but by its rotation.
+        by_id = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec, None))
+        ids = np.arange(setting.padded_vocab_size).reshape(-1, num_partitions)
+
+        def unrotated(i):
+            values = first.initializer(
+                keys[i], (ids.shape[0], num_partitions, first.embedding_dim), jnp.float32
+            )
+            values = jax.lax.with_sharding_constraint(values, by_id)
+            values = jnp.where((ids < first.vocabulary_size)[:, :, None], values, 0.0)
+            values = jnp.pad(
+                values, ((0, 0), (0, 0), (0, setting.padded_embedding_dim - first.embedding_dim))
+            )
+            return values.transpose(1, 0, 2)
+    else:
+        # Any other initializer draws the logical table; pinning it to the row
+        # sharding makes every device draw only its own rows, which then move
+        # to the partitions that hold them.
+        shape = (first.vocabulary_size, first.embedding_dim)
+
+        def unrotated(i):
+            values = first.initializer(keys[i], shape, jnp.float32).astype(jnp.float32)
+            values = jax.lax.with_sharding_constraint(values, sharding)
+            (block,) = _partition_blocks(values[None], [first], num_partitions)
+            # `_partition_blocks` rotated by the first table's rotation.
+            return jnp.roll(block, -setting.shard_rotation, axis=0)
 
     def place(i, stacked):
-        values = _draw(first.initializer, shape, keys[i]).astype(jnp.float32)
-        values = jax.lax.with_sharding_constraint(values, sharding)
-        (block,) = _partition_blocks(values[None], [first], num_partitions)
-        block = jnp.roll(block, rotations[i], axis=0)
+        block = _rotated(unrotated(i), rotations, i)
         return jax.lax.dynamic_update_slice(stacked, block, (0, starts[i], 0))
 
     return jax.lax.fori_loop(0, len(group), place, stacked)

@@ -149,6 +149,8 @@ def test_alike_tables_of_a_stack_start_as_their_own_initializer(devices, slots):
         "w": (128, 8, normal),
         "x": (64, 8, normal),
         "y": (128, 8, embedding.initializers.Normal(stddev=1.0)),
+        # Its values depend on the shape drawn: drawn as the logical table.
+        "z": (96, 8, jax.nn.initializers.glorot_normal()),
     }
     tables = {
         name: embedding.TableSpec(
@@ -207,3 +209,33 @@ def test_a_stack_of_alike_tables_is_drawn_without_temporaries_of_the_whole_stack
     program = init_program(specs, mesh_of(1), 1).lower(jax.random.key(0)).compile()
     stack_bytes = tables * vocab * dim * 4
     assert program.memory_analysis().temp_size_in_bytes < stack_bytes
+
+
+def test_tables_on_several_devices_are_drawn_where_their_partitions_are():
+    """Each device draws only its partitions' ids: no table is gathered or
+    exchanged whole, and the temporaries stay below the device's share."""
+    devices, slots, tables, vocab, dim = 8, 2, 8, 20_000, 16
+    specs = {
+        f"f{t}": embedding.FeatureSpec(
+            name=f"f{t}",
+            table_spec=embedding.TableSpec(
+                name=f"t{t}",
+                vocabulary_size=vocab,
+                embedding_dim=dim,
+                initializer=embedding.initializers.TruncatedNormal(stddev=0.1),
+                optimizer=embedding.SGDOptimizerSpec(),
+                combiner="sum",
+                max_ids_per_partition=64,
+                max_unique_ids_per_partition=64,
+            ),
+            input_shape=[16, 2],
+            output_shape=[16, dim],
+        )
+        for t in range(tables)
+    }
+    names = [f"t{t}" for t in range(tables)]
+    specs = embedding.stack_tables(specs, names, devices, slots, stack_name="s")
+    program = init_program(specs, mesh_of(devices), slots).lower(jax.random.key(0)).compile()
+    assert not re.search(r"all-gather|all-to-all", program.as_text())
+    memory = program.memory_analysis()
+    assert memory.temp_size_in_bytes < memory.output_size_in_bytes
