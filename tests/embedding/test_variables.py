@@ -183,38 +183,8 @@ def test_alike_tables_of_a_stack_start_as_their_own_initializer(devices, slots):
         np.testing.assert_array_equal(gathered[name], np.asarray(expected), err_msg=name)
 
 
-def test_a_stack_of_alike_tables_is_drawn_without_temporaries_of_the_whole_stack():
-    """XLA:CPU's random numbers hold about three times the array they draw; drawn
-    table by table into the stack, the program's temporaries stay below one stack."""
-    tables, vocab, dim = 8, 20_000, 16
-    specs = {
-        f"f{t}": embedding.FeatureSpec(
-            name=f"f{t}",
-            table_spec=embedding.TableSpec(
-                name=f"t{t}",
-                vocabulary_size=vocab,
-                embedding_dim=dim,
-                initializer=embedding.initializers.TruncatedNormal(stddev=0.1),
-                optimizer=embedding.SGDOptimizerSpec(),
-                combiner="sum",
-                max_ids_per_partition=64,
-                max_unique_ids_per_partition=64,
-            ),
-            input_shape=[16, 2],
-            output_shape=[16, dim],
-        )
-        for t in range(tables)
-    }
-    specs = embedding.stack_tables(specs, [f"t{t}" for t in range(tables)], 1, 1, stack_name="s")
-    program = init_program(specs, mesh_of(1), 1).lower(jax.random.key(0)).compile()
-    stack_bytes = tables * vocab * dim * 4
-    assert program.memory_analysis().temp_size_in_bytes < stack_bytes
-
-
-def test_tables_on_several_devices_are_drawn_where_their_partitions_are():
-    """Each device draws only its partitions' ids: no table is gathered or
-    exchanged whole, and the temporaries stay below the device's share."""
-    devices, slots, tables, vocab, dim = 8, 2, 8, 20_000, 16
+def _alike_stack(tables: int, vocab: int, dim: int, devices: int, slots: int):
+    """`tables` tables of one truncated-normal initializer and shape, stacked as "s"."""
     specs = {
         f"f{t}": embedding.FeatureSpec(
             name=f"f{t}",
@@ -234,7 +204,24 @@ def test_tables_on_several_devices_are_drawn_where_their_partitions_are():
         for t in range(tables)
     }
     names = [f"t{t}" for t in range(tables)]
-    specs = embedding.stack_tables(specs, names, devices, slots, stack_name="s")
+    return embedding.stack_tables(specs, names, devices, slots, stack_name="s")
+
+
+def test_a_stack_of_alike_tables_is_drawn_without_temporaries_of_the_whole_stack():
+    """XLA:CPU's random numbers hold about three times the array they draw; drawn
+    table by table into the stack, the program's temporaries stay below one stack."""
+    tables, vocab, dim = 8, 20_000, 16
+    specs = _alike_stack(tables, vocab, dim, 1, 1)
+    program = init_program(specs, mesh_of(1), 1).lower(jax.random.key(0)).compile()
+    stack_bytes = tables * vocab * dim * 4
+    assert program.memory_analysis().temp_size_in_bytes < stack_bytes
+
+
+def test_tables_on_several_devices_are_drawn_where_their_partitions_are():
+    """Each device draws only its partitions' ids: no table is gathered or
+    exchanged whole, and the temporaries stay below the device's share."""
+    devices, slots = 8, 2
+    specs = _alike_stack(8, 20_000, 16, devices, slots)
     program = init_program(specs, mesh_of(devices), slots).lower(jax.random.key(0)).compile()
     assert not re.search(r"all-gather|all-to-all", program.as_text())
     memory = program.memory_analysis()
