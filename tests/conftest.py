@@ -1,9 +1,11 @@
 """Test-wide setup that must run before anything imports jax."""
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +62,34 @@ def _compilation_cache_as_before():
         for name, value in before.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
+
+
+def memory_maps_over(share: float) -> bool:
+    """Whether this process holds more than `share` of the memory mappings Linux
+    allows one process (`vm.max_map_count`); False where /proc does not say."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        count = Path("/proc/self/maps").read_bytes().count(b"\n")
+    except (OSError, ValueError):
+        return False
+    return count > share * limit
+
+
+@pytest.fixture(autouse=True)
+def _compiled_programs_within_the_mapping_limit():
+    """Frees the compiled programs JAX keeps once they hold half the mappings a
+    process may have.
+
+    Each XLA:CPU executable is loaded as three mappings of its own (code,
+    constants, data), and JAX's caches keep every program a test compiled: a
+    test worker that runs a few hundred trainings in one process reached
+    Linux's limit (65,530 by default), and the next compilation failed to map
+    its code and died of a segmentation fault or an abort. Cleared, later
+    tests compile their programs again; nothing else changes.
+    """
+    yield
+    if memory_maps_over(0.5):
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
