@@ -5,9 +5,9 @@ import gc
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
+from memory_maps import memory_maps_over
 
 # Eight virtual CPU devices, the shape every multi-device test assumes. XLA
 # reads the flag once, when jax initializes its backend, so it is set here.
@@ -62,17 +62,6 @@ def _compilation_cache_as_before():
         for name, value in before.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
-
-
-def memory_maps_over(share: float) -> bool:
-    """Whether this process holds more than `share` of the memory mappings Linux
-    allows one process (`vm.max_map_count`); False where /proc does not say."""
-    try:
-        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
-        count = Path("/proc/self/maps").read_bytes().count(b"\n")
-    except (OSError, ValueError):
-        return False
-    return count > share * limit
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from conftest import memory_maps_over
+from memory_maps import memory_maps_over
 
 
 def _mappings() -> int:
