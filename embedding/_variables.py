@@ -116,6 +116,23 @@ def _namespace(x: Any):
     return np if isinstance(x, np.ndarray) else jnp
 
 
+def _unrotated_blocks(values: Any, setting, num_partitions: int) -> Any:
+    """`[n, vocabulary_size, embedding_dim]` -> `[n, N, padded_vocab_size / N,
+    padded_embedding_dim]`, zero padded: `[i, q, r]` holds table `i`'s id
+    `r*N + q`."""
+    xp = _namespace(values)
+    values = xp.pad(
+        values,
+        (
+            (0, 0),
+            (0, setting.padded_vocab_size - values.shape[1]),
+            (0, setting.padded_embedding_dim - values.shape[2]),
+        ),
+    )
+    by_partition = values.reshape(values.shape[0], -1, num_partitions, values.shape[2])
+    return by_partition.transpose(0, 2, 1, 3)
+
+
 def _partition_blocks(values: Any, tables: Sequence[TableSpec], num_partitions: int) -> list[Any]:
     """Tables of one shape and padding, each split into its partitions' rows.
 
@@ -130,18 +147,8 @@ def _partition_blocks(values: Any, tables: Sequence[TableSpec], num_partitions: 
       padded: `[p]` holds the rows the table keeps in partition `p`.
     """
     xp = _namespace(values)
-    setting = tables[0].setting_in_stack
-    values = xp.pad(
-        values,
-        (
-            (0, 0),
-            (0, setting.padded_vocab_size - values.shape[1]),
-            (0, setting.padded_embedding_dim - values.shape[2]),
-        ),
-    )
-    # [q, r] holds id r*N + q, which lives in partition (q + rotation) mod N.
-    by_partition = values.reshape(values.shape[0], -1, num_partitions, values.shape[2])
-    by_partition = by_partition.transpose(0, 2, 1, 3)
+    by_partition = _unrotated_blocks(values, tables[0].setting_in_stack, num_partitions)
+    # Id r*N + q lives in partition (q + rotation) mod N.
     return [
         xp.roll(by_partition[i], table.setting_in_stack.shard_rotation, axis=0)
         for i, table in enumerate(tables)
@@ -286,14 +293,18 @@ def _draw_group(
         # as in the logical draw, and each device draws only its partitions'
         # ids: the table is never moved between devices but by its rotation.
         by_id = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec, None))
-        ids = np.arange(setting.padded_vocab_size).reshape(-1, num_partitions)
+        shape = (setting.padded_vocab_size // num_partitions, num_partitions, first.embedding_dim)
+        # Id a*N + q is a table row iff a*N + q < vocab, compared without the
+        # product (no overflow) and from iotas (no id array in the program).
+        full_rows, rest = divmod(first.vocabulary_size, num_partitions)
+        a = jax.lax.broadcasted_iota(jnp.int32, shape[:2], 0)
+        q = jax.lax.broadcasted_iota(jnp.int32, shape[:2], 1)
+        in_table = (a < full_rows) | ((a == full_rows) & (q < rest))
 
         def unrotated(i):
-            values = first.initializer(
-                keys[i], (ids.shape[0], num_partitions, first.embedding_dim), jnp.float32
-            )
+            values = first.initializer(keys[i], shape, jnp.float32)
             values = jax.lax.with_sharding_constraint(values, by_id)
-            values = jnp.where((ids < first.vocabulary_size)[:, :, None], values, 0.0)
+            values = jnp.where(in_table[:, :, None], values, 0.0)
             values = jnp.pad(
                 values, ((0, 0), (0, 0), (0, setting.padded_embedding_dim - first.embedding_dim))
             )
@@ -307,9 +318,7 @@ def _draw_group(
         def unrotated(i):
             values = first.initializer(keys[i], shape, jnp.float32).astype(jnp.float32)
             values = jax.lax.with_sharding_constraint(values, sharding)
-            (block,) = _partition_blocks(values[None], [first], num_partitions)
-            # `_partition_blocks` rotated by the first table's rotation.
-            return jnp.roll(block, -setting.shard_rotation, axis=0)
+            return _unrotated_blocks(values[None], setting, num_partitions)[0]
 
     def place(i, stacked):
         block = _rotated(unrotated(i), rotations, i)

@@ -167,15 +167,6 @@ class Checkpoints:
         handlers.add(
             _ARRAYS, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False)
         )
-        handlers.add(_METADATA, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
-        handlers.add(_INPUT, grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointHandler())
-        self._manager = ocp.CheckpointManager(
-            self._directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=not read_only, read_only=read_only
-            ),
-            handler_registry=handlers,
-        )
         # Restores read the items through their handlers, not the manager:
         # the manager's restore ends in a barrier that a process whose read
         # failed never reaches, so the others would wait there forever.
@@ -183,6 +174,15 @@ class Checkpoints:
         self._arrays_handler = ocp.StandardCheckpointHandler()
         self._metadata_handler = ocp.JsonCheckpointHandler()
         self._input_handler = grain.checkpoint.CheckpointHandler()
+        handlers.add(_METADATA, ocp.args.JsonSave, self._metadata_handler)
+        handlers.add(_INPUT, grain.checkpoint.CheckpointSave, self._input_handler)
+        self._manager = ocp.CheckpointManager(
+            self._directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=not read_only, read_only=read_only
+            ),
+            handler_registry=handlers,
+        )
 
     def save(self, snapshot: Snapshot) -> None:
         """Writes `snapshot` (blocking until it is complete on disk).
