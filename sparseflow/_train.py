@@ -782,10 +782,28 @@ def _setup_objects_frozen():
 
 
 def _pipelined_step(stages: Stages):
-    """The pipelined step: one compiled program, or with pipeshard the tower from the host."""
+    """The pipelined step as `step(pipeline_input, state, tables, pipeline_state, *,
+    valid)` (`valid`: `parallel.is_output_valid` of the call)."""
     if stages.pipeshard is None:
-        return parallel.jit_step(stages.sc_fwd, stages.tc, stages.sc_bwd)
-    return parallel.host_driven_step(stages.sc_fwd, stages.pipeshard_tc, stages.sc_bwd)
+        step = parallel.jit_step(stages.sc_fwd, stages.tc, stages.sc_bwd)
+
+        # One program for every call: the filling and draining calls run the TC
+        # stage and discard it (`gradient_multiplier` 0, results equal). A
+        # variant without it took a second compilation (0.6-0.9 s of a run's
+        # start), and on several devices the steady variant a third: its
+        # inputs came placed by the other variant's outputs first, then by
+        # its own (docs/benchmarks.md).
+        def one_program(*arguments, valid: bool):
+            return step(*arguments, fake_tc_step=False, gradient_multiplier=np.float32(valid))
+
+        return one_program
+    # The host runs the TC stage only where it is real (no multiplier there).
+    step = parallel.host_driven_step(stages.sc_fwd, stages.pipeshard_tc, stages.sc_bwd)
+
+    def tc_where_valid(*arguments, valid: bool):
+        return step(*arguments, fake_tc_step=not valid)
+
+    return tc_where_valid
 
 
 def _pipelined_call(run: _Run, t: int, n: int, batch) -> None:
@@ -796,7 +814,7 @@ def _pipelined_call(run: _Run, t: int, n: int, batch) -> None:
         pipeline_input = _dummy_input(run.pipeline_state)
     valid = parallel.is_output_valid(t, n)
     output, _, run.state, run.tables, run.pipeline_state = run.pipelined_step(
-        pipeline_input, run.state, run.tables, run.pipeline_state, fake_tc_step=not valid
+        pipeline_input, run.state, run.tables, run.pipeline_state, valid=valid
     )
     jax.block_until_ready((run.state, run.tables, run.pipeline_state))
     if valid:

@@ -251,3 +251,18 @@ def test_the_log_shows_examples_per_second_and_input_wait(small_run, caplog):
     assert all(wait >= 0 for wait in result.input_wait_seconds)
     # set-up, the first batch and the first call (its compilation) come before it
     assert result.time_to_first_step > result.input_wait_seconds[0] + result.call_seconds[0]
+
+
+def test_a_pipelined_run_compiles_its_step_once(small_run, caplog):
+    """The filling and draining calls run the steady program (their TC stage
+    discarded): a variant without it compiled a second program, and on several
+    devices the steady one twice, placed by each variant's outputs in turn."""
+    _, _, config, data = small_run
+    assert config.mesh.devices == 8
+    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax._src.dispatch"):
+        result = _train.train(
+            config, _train.TrainOptions(data=data, steps=4, pipelined=True, progress=False)
+        )
+    compiled = re.findall(r"Finished XLA compilation of jit\(_compute\)", caplog.text)
+    assert len(compiled) == 1, caplog.text
+    assert len(result.losses) == 4
