@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from embedding._initializers import Constant, Normal, TruncatedNormal, Uniform
+from embedding._malloc import keep_freed_memory
 from embedding._specs import StackedTableSpec, TableSpec
 from embedding._stacking import Nested, prepare_feature_specs_for_training
 
@@ -339,6 +340,9 @@ def init_embedding_variables(
     (one jitted program with sharded outputs); slots start at the optimizer's
     initial values.
 
+    On glibc, the process's malloc then keeps the memory a step frees for the
+    next step (`_malloc.keep_freed_memory`).
+
     Args:
       key: a `jax.random` key.
       feature_specs: pytree of `FeatureSpec` (prepared or not).
@@ -348,6 +352,7 @@ def init_embedding_variables(
     Returns:
       `EmbeddingVariables` by stack name.
     """
+    keep_freed_memory()
     return init_program(feature_specs, mesh, num_sc_per_device)(key)
 
 

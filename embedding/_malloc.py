@@ -1,0 +1,50 @@
+"""Keeps the memory a step frees for the next step (glibc's malloc).
+
+XLA:CPU allocates each execution's temporaries with `posix_memalign` and
+frees them when it ends. glibc serves a block above its mmap threshold with a
+fresh mapping, unmapped on free, and gives the heap's free top back to the
+kernel beyond its trim threshold; both thresholds adapt to the allocation
+history, so in some processes every step mapped, faulted in and zeroed its
+temporaries again: the sparse step of `benchmarks/scale.py` took 10-11 ms at
+5e6 and 1e7 rows against 6 ms at 2e6 and 2e7, 14 MB of temporaries mapped
+per step (docs/benchmarks.md). Fixed thresholds keep such blocks in the heap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+_LOG = logging.getLogger(__name__)
+
+# mallopt's parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2): blocks up to
+# it come from the heap.
+MMAP_THRESHOLD = 32 * 2**20
+# Free memory the heap's top keeps (beyond it, the top goes back to the kernel).
+TRIM_THRESHOLD = 4 * MMAP_THRESHOLD
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Sets glibc's mmap and trim thresholds, once per process.
+
+    Returns:
+      Whether they were set: False where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only: other libcs' mallopt differ
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    done = done and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not done:
+        _LOG.warning("glibc's mallopt refused the thresholds; steps may map their memory anew.")
+    return done

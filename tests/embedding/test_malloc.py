@@ -1,0 +1,69 @@
+"""Creating tables keeps the memory a step frees for the next step (glibc)."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_PROGRAM = textwrap.dedent(
+    """
+    import json, resource, sys
+    import jax, jax.numpy as jnp
+    import embedding
+    from lookup_reference import feature_specs, mesh_of
+
+    if sys.argv[1] == "tables":
+        specs = feature_specs("sum", embedding.SGDOptimizerSpec(), 1, 1)
+        embedding.init_embedding_variables(
+            jax.random.key(0), specs, mesh_of(1), num_sc_per_device=1
+        )
+
+    @jax.jit
+    def step(x):  # 8 MiB of temporaries per call
+        y = jnp.sort(x)
+        return (y * jnp.arange(y.size, dtype=y.dtype)).sum() + jnp.cumsum(y)[-1]
+
+    x = jnp.ones(2**20, jnp.float32)
+    temp = step.lower(x).compile().memory_analysis().temp_size_in_bytes
+    for _ in range(3):
+        step(x).block_until_ready()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        step(x).block_until_ready()
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+    print(json.dumps({"temp_pages": temp // 4096, "faults_per_call": faults}))
+    """
+)
+
+
+def _faults(tmp_path, mode: str) -> dict:
+    script = tmp_path / "steps.py"
+    script.write_text(_PROGRAM)
+    env = dict(
+        os.environ,
+        # A fixed 1 MiB threshold, as a process's allocation history can leave
+        # glibc's adaptive one: every block above it is a fresh mapping.
+        MALLOC_MMAP_THRESHOLD_="1048576",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]),
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
+def test_after_creating_tables_a_step_does_not_map_its_temporaries_again(tmp_path):
+    without = _faults(tmp_path, "no-tables")
+    # The case the thresholds are for: each call maps its temporaries afresh
+    # (about three faults per page of them, the mapping zeroed and freed).
+    assert without["faults_per_call"] > without["temp_pages"], without
+    after_tables = _faults(tmp_path, "tables")
+    # What is left (400-600 here) is not the temporaries' mapping.
+    assert after_tables["faults_per_call"] < without["faults_per_call"] / 5, (without, after_tables)
