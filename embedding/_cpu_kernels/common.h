@@ -24,8 +24,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Rows are read and written at random places of tables far larger than the
-// caches; requesting a row this many rows ahead hides most of the wait.
-constexpr int64_t kPrefetchAhead = 16;
+// caches; requesting a row this many rows ahead hides most of the wait (16
+// ahead left the sparse step a third slower, docs/benchmarks.md).
+constexpr int64_t kPrefetchAhead = 64;
 
 // Work is cut into chunks by its size alone, whatever the thread count,
 // each chunk computed in a fixed order, so that one build's results are
