@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 
 _LOG = logging.getLogger(__name__)
 
@@ -28,12 +29,22 @@ MMAP_THRESHOLD = 32 * 2**20
 TRIM_THRESHOLD = 4 * MMAP_THRESHOLD
 
 
+def _set_by_environment(variable: str, tunable: str) -> bool:
+    """Whether the user set a threshold for this process (`MALLOC_*_` or
+    `GLIBC_TUNABLES`): theirs is kept."""
+    return variable in os.environ or f"glibc.malloc.{tunable}=" in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    )
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Sets glibc's mmap and trim thresholds, once per process.
+    """Sets glibc's mmap and trim thresholds, once per process, but for one the
+    environment sets.
 
     Returns:
-      Whether they were set: False where the C library is not glibc.
+      Whether both are now fixed (by this or by the environment): False where
+      the C library is not glibc.
     """
     try:
         libc = ctypes.CDLL(None)
@@ -43,8 +54,13 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    done = done and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    done = True
+    for parameter, value, variable, tunable in (
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", "mmap_threshold"),
+        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", "trim_threshold"),
+    ):
+        if not _set_by_environment(variable, tunable):
+            done = bool(mallopt(parameter, value)) and done
     if not done:
         _LOG.warning("glibc's mallopt refused the thresholds; steps may map their memory anew.")
     return done

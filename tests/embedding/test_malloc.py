@@ -11,11 +11,14 @@ import pytest
 
 _PROGRAM = textwrap.dedent(
     """
-    import json, resource, sys
+    import ctypes, json, resource, sys
     import jax, jax.numpy as jnp
     import embedding
     from lookup_reference import feature_specs, mesh_of
 
+    # A fixed 1 MiB threshold, as a process's allocation history can leave
+    # glibc's adaptive one: every block above it is a fresh mapping.
+    ctypes.CDLL(None).mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
     if sys.argv[1] == "tables":
         specs = feature_specs("sum", embedding.SGDOptimizerSpec(), 1, 1)
         embedding.init_embedding_variables(
@@ -40,17 +43,20 @@ _PROGRAM = textwrap.dedent(
 )
 
 
-def _faults(tmp_path, mode: str) -> dict:
+def _faults(tmp_path, mode: str, environment: dict[str, str] | None = None) -> dict:
     script = tmp_path / "steps.py"
     script.write_text(_PROGRAM)
-    env = dict(
-        os.environ,
-        # A fixed 1 MiB threshold, as a process's allocation history can leave
-        # glibc's adaptive one: every block above it is a fresh mapping.
-        MALLOC_MMAP_THRESHOLD_="1048576",
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"
+    }
+    env.update(
         XLA_FLAGS="--xla_force_host_platform_device_count=1",
         PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]),
     )
+    if environment:
+        env.update(environment)
     done = subprocess.run(
         [sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=300
     )
@@ -67,3 +73,12 @@ def test_after_creating_tables_a_step_does_not_map_its_temporaries_again(tmp_pat
     after_tables = _faults(tmp_path, "tables")
     # What is left (400-600 here) is not the temporaries' mapping.
     assert after_tables["faults_per_call"] < without["faults_per_call"] / 5, (without, after_tables)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
+def test_a_threshold_the_environment_sets_is_kept(tmp_path):
+    # The user's (the same 1 MiB) threshold stays: each call maps its temporaries.
+    for environment in ({"MALLOC_MMAP_THRESHOLD_": "1048576"},
+                        {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}):  # fmt: skip
+        kept = _faults(tmp_path, "tables", environment)
+        assert kept["faults_per_call"] > kept["temp_pages"], (environment, kept)
