@@ -61,16 +61,42 @@ def jit_step(
       `fake_tc_step` (and per input shapes).
     """
     compute = jax.jit(
-        _compute,
-        static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step"),
+        _bound(_compute, (sc_fwd_function, tc_function, sc_bwd_function)),
+        static_argnames=("fake_tc_step",),
         donate_argnames=("tc_train_state", "embedding_variables", "consumed") if donate else (),
     )
+    return _runner(compute)
 
-    return _runner(compute, (sc_fwd_function, tc_function, sc_bwd_function))
+
+def _bound(compute: Callable[..., _Computed], stages: tuple) -> Callable[..., _Computed]:
+    """`compute` with the stage functions bound, as a function of this step's own.
+
+    Not `_compute` with the stages as static arguments: JAX keeps the programs
+    of a module-level function in one cache for the process, keyed by its
+    static arguments, so every run's stages (new functions each time) left
+    their programs there, and a process that trained many times ran out of
+    memory mappings. The programs of this function go with the step.
+    """
+
+    def pipelined_step(pipeline_input, tc_train_state, embedding_variables, consumed, kept, *,
+                       fake_tc_step, gradient_multiplier):  # fmt: skip
+        return compute(
+            pipeline_input,
+            tc_train_state,
+            embedding_variables,
+            consumed,
+            kept,
+            *stages,
+            fake_tc_step=fake_tc_step,
+            gradient_multiplier=gradient_multiplier,
+        )
+
+    return pipelined_step
 
 
-def _runner(compute: Callable[..., _Computed], stages: tuple) -> Callable[..., tuple]:
-    """`run(pipeline_input, ..., *, fake_tc_step, gradient_multiplier=None)` over `compute`."""
+def _runner(compute: Callable[..., _Computed]) -> Callable[..., tuple]:
+    """`run(pipeline_input, ..., *, fake_tc_step, gradient_multiplier=None)` over
+    `compute`, which has the stage functions bound (`_bound`)."""
 
     def run(
         pipeline_input: CurrentStepInput,
@@ -87,7 +113,7 @@ def _runner(compute: Callable[..., _Computed], stages: tuple) -> Callable[..., t
             tc_train_state,
             embedding_variables,
             pipeline_state,
-            stages,
+            (),
             fake_tc_step,
             gradient_multiplier,
         )
@@ -121,11 +147,11 @@ def host_driven_step(
       refused (ValueError): boundary calls skip the TC stage instead.
     """
     sparse = jax.jit(
-        _compute,
-        static_argnames=("sc_fwd_function", "tc_function", "sc_bwd_function", "fake_tc_step"),
+        _bound(_compute, (sc_fwd_function, tc_function, sc_bwd_function)),
+        static_argnames=("fake_tc_step",),
     )
 
-    def compute(pipeline_input, tc_train_state, embedding_variables, consumed, kept, *stages,
+    def compute(pipeline_input, tc_train_state, embedding_variables, consumed, kept, *,
                 fake_tc_step, gradient_multiplier):  # fmt: skip
         if gradient_multiplier is not None:
             raise ValueError(
@@ -140,7 +166,6 @@ def host_driven_step(
                 embedding_variables,
                 consumed,
                 kept,
-                *stages,
                 fake_tc_step=True,
                 gradient_multiplier=None,
             )
@@ -164,4 +189,4 @@ def host_driven_step(
             tc_aux=tc.tc_aux,
         )
 
-    return _runner(compute, (sc_fwd_function, tc_function, sc_bwd_function))
+    return _runner(compute)

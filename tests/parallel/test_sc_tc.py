@@ -7,6 +7,8 @@ a two-layer MLP trained with optax (TC).
 """
 
 import functools
+import gc
+import weakref
 
 import jax
 import jax.extend
@@ -435,6 +437,28 @@ def test_jit_step_hands_each_result_a_buffer_its_call_has_done_reading():
             assert (
                 new_before_last.embedding_gradients.unsafe_buffer_pointer() == read["activations"]
             )
+
+
+@pytest.mark.parametrize("driver", [parallel.jit_step, parallel.host_driven_step])
+def test_a_dropped_step_keeps_none_of_its_stages_alive(driver):
+    """A training run's step, once dropped, takes its stages (and so its
+    programs) with it: with the stages as static arguments of one module-level
+    jitted function, JAX's process-wide cache of it kept every run's, and a
+    process that trained many times ran out of memory mappings."""
+    table, train_state, batches = make_problem(1)
+
+    def own_lookup(sparse, table):  # a new function, as each run's stages are
+        return lookup(sparse, table)
+
+    alive = weakref.ref(own_lookup)
+    state = get_initial_state(batches[0], train_state, jnp.asarray(table), lookup, dense_train)
+    run = driver(own_lookup, dense_train, sgd_update)
+    jax.block_until_ready(
+        run(batches[0], train_state, jnp.asarray(table), state, fake_tc_step=True)
+    )
+    del run, own_lookup
+    gc.collect()
+    assert alive() is None
 
 
 def test_jit_step_checks_its_call_like_step(one_batch):

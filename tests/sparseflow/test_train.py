@@ -263,6 +263,6 @@ def test_a_pipelined_run_compiles_its_step_once(small_run, caplog):
         result = _train.train(
             config, _train.TrainOptions(data=data, steps=4, pipelined=True, progress=False)
         )
-    compiled = re.findall(r"Finished XLA compilation of jit\(_compute\)", caplog.text)
+    compiled = re.findall(r"Finished XLA compilation of jit\(pipelined_step\)", caplog.text)
     assert len(compiled) == 1, caplog.text
     assert len(result.losses) == 4
