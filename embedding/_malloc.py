@@ -5,9 +5,9 @@ frees them when it ends. glibc serves a block above its mmap threshold with a
 fresh mapping, unmapped on free, and gives the heap's free top back to the
 kernel beyond its trim threshold; both thresholds adapt to the allocation
 history, so in some processes every step mapped, faulted in and zeroed its
-temporaries again: the sparse step of `benchmarks/scale.py` took 10-11 ms at
-5e6 and 1e7 rows against 6 ms at 2e6 and 2e7, 14 MB of temporaries mapped
-per step (docs/benchmarks.md). Fixed thresholds keep such blocks in the heap.
+temporaries again, and the sparse step of `benchmarks/scale.py` took twice
+as long at some table sizes as at their neighbours (docs/benchmarks.md).
+Fixed thresholds keep such blocks in the heap.
 """
 
 from __future__ import annotations

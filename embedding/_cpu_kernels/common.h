@@ -24,8 +24,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Rows are read and written at random places of tables far larger than the
-// caches; requesting a row this many rows ahead hides most of the wait (16
-// ahead left the sparse step a third slower, docs/benchmarks.md).
+// caches; requesting a row this many rows ahead hides most of the wait
+// (fewer left the sparse step slower, docs/benchmarks.md).
 constexpr int64_t kPrefetchAhead = 64;
 
 // Work is cut into chunks by its size alone, whatever the thread count,
