@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from embedding._malloc import keep_freed_memory
 from embedding._preprocess import PreprocessedInput
 from embedding._routing import LookupPath, PlanT, StackT, exchange_group, over_minibatches
 from embedding._stack_geometry import (
@@ -161,6 +162,9 @@ def sparse_dense_matmul(
     Raises:
       ValueError: the input, variables and specs disagree.
     """
+    # Tables restored rather than created (a prediction) are looked up here
+    # first: the program's temporaries then stay in the heap (`_malloc`).
+    keep_freed_memory()
     call = prepare_call(
         preprocessed_input, embedding_variables, feature_specs, mesh, enable_minibatching
     )

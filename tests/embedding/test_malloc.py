@@ -1,4 +1,4 @@
-"""Creating tables keeps the memory a step frees for the next step (glibc)."""
+"""Creating or looking up tables keeps the memory a step frees for the next step (glibc)."""
 
 import json
 import os
@@ -12,17 +12,24 @@ import pytest
 _PROGRAM = textwrap.dedent(
     """
     import ctypes, json, resource, sys
-    import jax, jax.numpy as jnp
+    import jax, jax.numpy as jnp, numpy as np
     import embedding
-    from lookup_reference import feature_specs, mesh_of
+    from lookup_reference import TABLES, feature_specs, make_batch, mesh_of, preprocess
 
     # A fixed 1 MiB threshold, as a process's allocation history can leave
     # glibc's adaptive one: every block above it is a fresh mapping.
     ctypes.CDLL(None).mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
+    specs, mesh = feature_specs("sum", embedding.SGDOptimizerSpec(), 1, 1), mesh_of(1)
     if sys.argv[1] == "tables":
-        specs = feature_specs("sum", embedding.SGDOptimizerSpec(), 1, 1)
-        embedding.init_embedding_variables(
-            jax.random.key(0), specs, mesh_of(1), num_sc_per_device=1
+        embedding.init_embedding_variables(jax.random.key(0), specs, mesh, num_sc_per_device=1)
+    if sys.argv[1] == "lookup":  # tables restored, not created: a prediction
+        logical = {name: np.ones(shape, np.float32) for name, shape in TABLES.items()}
+        stacks = embedding.shard_tables(logical, specs, mesh, num_sc_per_device=1)
+        slots = embedding.SGDOptimizerSpec().slot_initial_values()
+        variables = {name: embedding.EmbeddingVariables(t, slots) for name, t in stacks.items()}
+        preprocessed = preprocess(make_batch(0), specs, 1, 1)
+        jax.block_until_ready(
+            embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
         )
 
     @jax.jit
@@ -65,14 +72,15 @@ def _faults(tmp_path, mode: str, environment: dict[str, str] | None = None) -> d
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
-def test_after_creating_tables_a_step_does_not_map_its_temporaries_again(tmp_path):
+def test_after_creating_or_looking_up_tables_a_step_does_not_map_its_temporaries_again(tmp_path):
     without = _faults(tmp_path, "no-tables")
     # The case the thresholds are for: each call maps its temporaries afresh
     # (about three faults per page of them, the mapping zeroed and freed).
     assert without["faults_per_call"] > without["temp_pages"], without
-    after_tables = _faults(tmp_path, "tables")
     # What is left (400-600 here) is not the temporaries' mapping.
-    assert after_tables["faults_per_call"] < without["faults_per_call"] / 5, (without, after_tables)
+    for mode in ("tables", "lookup"):
+        after = _faults(tmp_path, mode)
+        assert after["faults_per_call"] < without["faults_per_call"] / 5, (mode, without, after)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
