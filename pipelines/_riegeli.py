@@ -196,10 +196,9 @@ def read_single_records(file, chunk_positions, sizes, out, starts, records, chec
 
     A chunk inside one block (the usual case) is checked and read in place;
     one that crosses a block header is gathered first (`read_chunk`). A
-    chunk inside one block is checked the first time it is read: a batch of
-    4096 records of 700 bytes took 10-15 ms with the checks, 7-8 ms once
-    they were checked (2026-11-27), and training reads every record once an
-    epoch.
+    chunk inside one block is checked the first time it is read: the checks
+    cost about as much as the reads (docs/benchmarks.md), and training reads
+    every record once an epoch.
 
     Args:
       file: `uint8[file_size]`.
