@@ -790,9 +790,9 @@ def _pipelined_step(stages: Stages):
         # One program for every call: the filling and draining calls run the TC
         # stage and discard it (`gradient_multiplier` 0, results equal). A
         # variant without it took a second compilation at a run's start, and
-        # on several devices the steady variant a third: its
-        # inputs came placed by the other variant's outputs first, then by
-        # its own (docs/benchmarks.md).
+        # on several devices the steady variant a third: its inputs came
+        # placed by the other variant's outputs first, then by its own
+        # (docs/benchmarks.md).
         def one_program(*arguments, valid: bool):
             return step(*arguments, fake_tc_step=False, gradient_multiplier=np.float32(valid))
 
