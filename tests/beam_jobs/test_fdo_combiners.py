@@ -6,8 +6,6 @@ import json
 import apache_beam as beam
 import numpy as np
 import pytest
-from apache_beam.runners.direct import DirectRunner
-from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -192,7 +190,7 @@ def test_combine_fns_in_a_pipeline():
     maxima = _max_inputs(rng, 9)
     histograms = [{"p": rng.integers(0, 6, 3)} for _ in range(9)]
     ids = _id_inputs(rng, 9)
-    with test_pipeline.TestPipeline(runner=DirectRunner()) as p:
+    with beam_jobs.make_pipeline() as p:
         max_result = (
             p
             | "Maxima" >> beam.Create(maxima)

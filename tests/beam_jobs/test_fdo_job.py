@@ -1,6 +1,6 @@
 """The FDO job's stats against the plain-loop reference (`fdo_cases.reference`).
 
-Pipelines run on the in-process DirectRunner through `TestPipeline`; the
+Pipelines run in process on `beam_jobs.make_pipeline` (the FnApiRunner); the
 outputs are compared as stats-file documents, so the matchers are Beam's own
 `equal_to` (multi-process workers can import it, not this module).
 """
@@ -12,9 +12,6 @@ import os
 import apache_beam as beam
 import fdo_cases
 import pytest
-from apache_beam.options.pipeline_options import PipelineOptions
-from apache_beam.runners.direct import DirectRunner
-from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
 
 import beam_jobs
@@ -35,8 +32,8 @@ def synthetic(tmp_path_factory):
     )
 
 
-def _pipeline(*options: str) -> test_pipeline.TestPipeline:
-    return test_pipeline.TestPipeline(runner=DirectRunner(), options=PipelineOptions(list(options)))
+def _pipeline(*options: str) -> beam.Pipeline:
+    return beam_jobs.make_pipeline(options)
 
 
 def _stats_documents(stats):

@@ -12,9 +12,6 @@ import apache_beam as beam
 import fdo_cases
 import numpy as np
 import pytest
-from apache_beam.options.pipeline_options import PipelineOptions
-from apache_beam.runners.direct import DirectRunner
-from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 import beam_jobs
@@ -107,8 +104,7 @@ def test_job_batches_are_the_batches_training_draws(dataset, processes, seed, re
         fdo_cases.job_config(processes=processes, records_per_range=records_per_range),
         training_order=beam_jobs.TrainingOrder(shuffle_seed=seed, epochs=EPOCHS),
     )
-    runner = test_pipeline.TestPipeline(runner=DirectRunner(), options=PipelineOptions([]))
-    with runner as p:
+    with beam_jobs.make_pipeline() as p:
         read = p | beam_jobs.ReadGlobalBatches(files, config)
         per_batch = (
             read["batches"]

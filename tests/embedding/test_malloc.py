@@ -41,11 +41,15 @@ _PROGRAM = textwrap.dedent(
     temp = step.lower(x).compile().memory_analysis().temp_size_in_bytes
     for _ in range(3):
         step(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(10):
+    faults = []
+    for _ in range(11):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step(x).block_until_ready()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
-    print(json.dumps({"temp_pages": temp // 4096, "faults_per_call": faults}))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    # The median call: a call that happens to grow another thread's arena
+    # faults too, and is not the case measured.
+    faults_per_call = float(np.median(faults))
+    print(json.dumps({"temp_pages": temp // 4096, "faults_per_call": faults_per_call}))
     """
 )
 
@@ -77,7 +81,6 @@ def test_after_creating_or_looking_up_tables_a_step_does_not_map_its_temporaries
     # The case the thresholds are for: each call maps its temporaries afresh
     # (about three faults per page of them, the mapping zeroed and freed).
     assert without["faults_per_call"] > without["temp_pages"], without
-    # What is left (400-600 here) is not the temporaries' mapping.
     for mode in ("tables", "lookup"):
         after = _faults(tmp_path, mode)
         assert after["faults_per_call"] < without["faults_per_call"] / 5, (mode, without, after)
