@@ -4,6 +4,7 @@ against HighwayHash's published vectors and the official ArrayRecord reader."""
 import os
 import shutil
 
+import numba
 import numpy as np
 import pytest
 from array_record.python import array_record_module
@@ -45,6 +46,13 @@ def test_highway_hash_matches_the_published_vectors_of_key_1234():
     key = np.array([1, 2, 3, 4], np.uint64)
     assert highway_hash64((128 + np.arange(33)).astype(np.uint8), 0, 33, key) == 0x53C516CCE478CAD7
     assert highway_hash64(np.array([255], np.uint8), 0, 1, key) == 0x7858F24D2D79B2B2
+
+
+def test_highway_hash_refuses_a_strided_array():
+    # Its packets are loaded from the array's memory: a view with gaps would
+    # hash the bytes between its elements.
+    with pytest.raises(numba.TypingError):
+        highway_hash64(np.arange(128, dtype=np.uint8)[::2], 0, 40, _KEY)
 
 
 def _write(path, records, options=None):
