@@ -36,10 +36,25 @@ def pairwise_dots(vectors: Sequence[jax.Array]) -> jax.Array:
     Returns:
       `float32[batch, n (n - 1) / 2]`: `[v0.v1, v0.v2, .., v0.v(n-1), v1.v2, ..]`.
     """
-    stacked = jnp.stack(vectors, axis=1)
+    stacked = _stack(vectors)
     if stacked.dtype != jnp.float32 or not _cpu_kernels.enabled("cpu"):
         return _xla_pairwise_dots(stacked)
     return _kernel_pairwise_dots(stacked)
+
+
+def _stack(vectors: Sequence[jax.Array]) -> jax.Array:
+    """`float32[batch, n, d]`: the vectors side by side.
+
+    Concatenated along their last axis and then reshaped, not `jnp.stack`ed:
+    vectors that are consecutive column slices of one array (the lookup's
+    activations as the trainer unstacks them) then fold back into that array
+    in XLA, where stacking copied each one out and back (a copy per feature
+    forward, and one per feature for the gradient).
+    """
+    if len({v.shape for v in vectors}) != 1 or vectors[0].ndim != 2:
+        return jnp.stack(vectors, axis=1)
+    batch, d = vectors[0].shape
+    return jnp.concatenate(vectors, axis=1).reshape(batch, len(vectors), d)
 
 
 def _pair_indices(n: int) -> tuple[np.ndarray, np.ndarray]:

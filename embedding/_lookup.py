@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from embedding._feature_blocks import feature_activations
 from embedding._malloc import keep_freed_memory
 from embedding._preprocess import PreprocessedInput
 from embedding._routing import LookupPath, PlanT, StackT, exchange_group, over_minibatches
@@ -87,15 +88,7 @@ def lookup_stacks(
         for g in geometries
     )
     combined = over_minibatches(geometries[0], layouts[0].num_minibatches, add_minibatch, zeros)
-    activations = tuple(
-        tuple(
-            total[:, f.sample_offset : f.sample_offset + f.samples_per_slot, : f.dim].reshape(
-                -1, f.dim
-            )
-            for f in g.features
-        )
-        for total, g in zip(combined, geometries)
-    )
+    activations = tuple(feature_activations(total, g) for total, g in zip(combined, geometries))
     return activations, jnp.concatenate([stack.segment for stack in stacks], axis=1)
 
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from embedding._feature_blocks import sample_gradients
 from embedding._preprocess import PreprocessedInput
 from embedding._routing import (
     LookupPath,
@@ -47,18 +48,6 @@ from embedding._routing import (
 from embedding._stack_geometry import LayoutArrays, LayoutIndex, StackGeometry, prepare_call
 from embedding._stacking import Nested
 from embedding._variables import EmbeddingVariables, mesh_axis
-
-
-def _sample_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Array:
-    """`float32[S, P, D]`: the features' activation gradients, slot by slot."""
-    blocks = [
-        jnp.pad(
-            grad.astype(jnp.float32).reshape(g.slots, f.samples_per_slot, f.dim),
-            ((0, 0), (0, 0), (0, g.dim - f.dim)),
-        )
-        for grad, f in zip(grads, g.features, strict=True)
-    ]
-    return jnp.concatenate(blocks, axis=1)
 
 
 def update_stacks(
@@ -95,7 +84,7 @@ def update_stacks(
         segment = None if segments is None else segments[:, start : start + g.capacity]
         start += g.capacity
         stacks.append(path.read_layout(layout, g, segment))
-    sample_grads = [_sample_gradients(stack_grads, g) for stack_grads, g in zip(grads, geometries)]
+    sample_grads = [sample_gradients(stack_grads, g) for stack_grads, g in zip(grads, geometries)]
 
     def update_minibatch(k, current):
         plans = [path.plan_minibatch(stack, g, k) for stack, g in zip(stacks, geometries)]
