@@ -1,10 +1,8 @@
 """DLRM's feature interaction: the dot products of every pair of a sample's vectors.
 
 On CPU, when the kernels build (`_cpu_kernels`), forward and backward run
-in kernels that compute 16 samples at once, one per vector lane: the
-gradient of a weighted sum of the dots of 4096 samples of 27 vectors of 16
-took 8.8 ms of CPU where XLA's batched products took 17-20 (the kernels
-alone 3.6 and 3.7 ms; 2 cores, 2026-11-27). Elsewhere,
+in kernels that compute 16 samples at once, one per vector lane, at about
+half the CPU time of XLA's batched products (docs/benchmarks.md). Elsewhere,
 or with `SPARSEFLOW_CPU_KERNELS=0`, XLA computes the Gram matrices and
 takes their upper triangles (`_xla_pairwise_dots`, also the kernels'
 reference in the tests).

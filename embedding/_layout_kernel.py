@@ -171,11 +171,9 @@ def stable_sort_by_bits(keys, low, high):
     one scatter per digit of at most 13 bits (a digit all keys share is
     skipped). The layout sorts only the fields that are not already in order
     (`_layout.sort_stack`): in `benchmarks/preprocess.py`'s geometry 25 of
-    the 54 bits of a packed key, two scatters. Measured alternately in one
-    process on a stack of 340k keys of that geometry: `np.sort` of the whole
-    keys 15-22 ms (about 70% of a preprocessing call), this sort 1.6-1.7 ms
-    (three 9-bit digits 2.3 ms, an MSD count by (slot, partition) then an LSD
-    sort by local id per group 2.2 ms).
+    the 54 bits of a packed key, two scatters. It took a tenth of `np.sort`'s
+    time on the whole keys, and less than 9-bit digits or an MSD count by
+    (slot, partition) followed by an LSD sort per group (docs/benchmarks.md).
 
     Args:
       keys: `int64[n]` non-negative; used as scratch space.

@@ -12,9 +12,9 @@ class RecordBatch(Sequence[bytes]):
     `data[offsets[i]:offsets[i + 1]]`.
 
     The reader writes a batch's records straight into one buffer and the
-    parser reads that buffer: a list of 4096 records of 700 bytes cost 5 ms
-    more per batch (a copy out of the reader's buffer, a bytes object per
-    record, and their join again for the parser). Indexing and iterating
+    parser reads that buffer: a list of records cost a copy out of the
+    reader's buffer, a bytes object per record, and their join again for the
+    parser (docs/benchmarks.md has the time). Indexing and iterating
     still give `bytes`, for the code that looks at records one by one (bad
     records, TF's parser).
 

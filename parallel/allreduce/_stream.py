@@ -1,9 +1,8 @@
 """One long-lived `ContributeStream` to one peer, reopened when it breaks.
 
-Why a stream: a unary call per value cost about 250-300 us of CPU on each
-side here, against about 100 us per value on an open stream (measured between
-two processes on this machine; a 4-host round fell from about 2.9 ms to 0.8 ms
-of CPU per host). The stream is opened on the first send, and gRPC's own
+Why a stream: a unary call per value cost two to three times the CPU of a
+value sent on an open stream, on each side (docs/benchmarks.md). The stream
+is opened on the first send, and gRPC's own
 thread feeds it from a queue, so `send` only appends and returns.
 
 Delivery: every message stays in the unacknowledged log until the peer
