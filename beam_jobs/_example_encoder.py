@@ -1,7 +1,7 @@
 """Serializes one-value-per-feature `tf.train.Example`s straight into protobuf wire format.
 
 Building an `example_pb2.Example` costs a map insertion and a message per
-feature (about 2 us each, most of an import's time per line); this writes
+feature, most of an import's time per line (docs/benchmarks.md); this writes
 the same bytes from per-key prefixes computed once. The output equals
 `Example.SerializeToString(deterministic=True)` (map entries in key order,
 int64 lists packed; a test checks it):

@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache, on for the commands that compile (`train`, `demo`).
 
 A second run of a config loads its compiled programs from disk instead of
-compiling them again: the pipelined step alone takes about 9 s to compile on
-one CPU device, 50 s on eight. The folder is `$SPARSEFLOW_COMPILATION_CACHE`,
+compiling them again (the times are in docs/benchmarks.md, the
+`train_vs_torchrec.py` row). The folder is `$SPARSEFLOW_COMPILATION_CACHE`,
 else JAX's own `JAX_COMPILATION_CACHE_DIR`, else
 `$XDG_CACHE_HOME/sparseflow/jax-compilation-cache` (`~/.cache/...`).
 `--no-compilation-cache` or JAX's `JAX_ENABLE_COMPILATION_CACHE=false` turn
@@ -29,9 +29,9 @@ ENV = "SPARSEFLOW_COMPILATION_CACHE"
 
 _log = logging.getLogger(__name__)
 
-# On CPU even the small programs of a run (44 of the demo's 48) take 0.3-0.5 s
-# each to compile on a loaded 2-core machine, and load from the cache in tens
-# of milliseconds; each entry is a few kilobytes. So every program is cached.
+# On CPU even the small programs of a run (44 of the demo's 48) take far
+# longer to compile than to load from the cache (docs/benchmarks.md), and
+# each entry is a few kilobytes. So every program is cached.
 _SETTINGS = {
     "jax_persistent_cache_min_compile_time_secs": 0.0,
     "jax_persistent_cache_min_entry_size_bytes": -1,

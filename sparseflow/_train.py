@@ -768,8 +768,8 @@ def _setup_objects_frozen():
 
     The imports and the run's setup (about half a million objects) outlive
     the loop, and full collections, which the batches' garbage triggers every
-    few dozen steps, would walk them all: 1.4 ms of this process's CPU per
-    demo step, taken from the cores the step runs on. Garbage of the setup is
+    few dozen steps, would walk them all, taking CPU from the cores the step
+    runs on (docs/benchmarks.md). Garbage of the setup is
     collected first, so none of it is kept; on exit they are collected as
     usual again, so a process that trains several times frees each run.
     """
