@@ -61,15 +61,15 @@ def jit_step(
       `fake_tc_step` (and per input shapes).
     """
     compute = jax.jit(
-        _bound(_compute, (sc_fwd_function, tc_function, sc_bwd_function)),
+        _bound((sc_fwd_function, tc_function, sc_bwd_function)),
         static_argnames=("fake_tc_step",),
         donate_argnames=("tc_train_state", "embedding_variables", "consumed") if donate else (),
     )
     return _runner(compute)
 
 
-def _bound(compute: Callable[..., _Computed], stages: tuple) -> Callable[..., _Computed]:
-    """`compute` with the stage functions bound, as a function of this step's own.
+def _bound(stages: tuple) -> Callable[..., _Computed]:
+    """`_compute` with the stage functions bound, as a function of this step's own.
 
     Not `_compute` with the stages as static arguments: JAX keeps the programs
     of a module-level function in one cache for the process, keyed by its
@@ -80,7 +80,7 @@ def _bound(compute: Callable[..., _Computed], stages: tuple) -> Callable[..., _C
 
     def pipelined_step(pipeline_input, tc_train_state, embedding_variables, consumed, kept, *,
                        fake_tc_step, gradient_multiplier):  # fmt: skip
-        return compute(
+        return _compute(
             pipeline_input,
             tc_train_state,
             embedding_variables,
@@ -113,7 +113,6 @@ def _runner(compute: Callable[..., _Computed]) -> Callable[..., tuple]:
             tc_train_state,
             embedding_variables,
             pipeline_state,
-            (),
             fake_tc_step,
             gradient_multiplier,
         )
@@ -147,7 +146,7 @@ def host_driven_step(
       refused (ValueError): boundary calls skip the TC stage instead.
     """
     sparse = jax.jit(
-        _bound(_compute, (sc_fwd_function, tc_function, sc_bwd_function)),
+        _bound((sc_fwd_function, tc_function, sc_bwd_function)),
         static_argnames=("fake_tc_step",),
     )
 

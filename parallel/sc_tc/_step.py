@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -81,13 +82,18 @@ def step(
       ValueError: `gradient_multiplier` is not a scalar or comes with
         `fake_tc_step=True`; a stage returns the wrong number of values.
     """
-    return _checked_step(
+    compute = functools.partial(
         _compute,
+        sc_fwd_function=sc_fwd_function,
+        tc_function=tc_function,
+        sc_bwd_function=sc_bwd_function,
+    )
+    return _checked_step(
+        compute,
         pipeline_input,
         tc_train_state,
         embedding_variables,
         pipeline_state,
-        (sc_fwd_function, tc_function, sc_bwd_function),
         fake_tc_step,
         gradient_multiplier,
     )
@@ -99,18 +105,17 @@ def _checked_step(
     tc_train_state: Any,
     embedding_variables: Any,
     pipeline_state: AnyPipelineState,
-    stages: tuple[ScFwdStageFun, TcStageFun, ScBwdStageFun],
     fake_tc_step: bool,
     gradient_multiplier: jax.typing.ArrayLike | None,
 ) -> tuple[Any, Any, Any, Any, AnyPipelineState]:
-    """One call of `step` with `compute` (`_compute`, jitted or not) doing the arithmetic."""
+    """One call of `step` with `compute` (`_compute` with its stages bound,
+    jitted or not) doing the arithmetic."""
     _check_call(pipeline_input, pipeline_state, fake_tc_step, gradient_multiplier)
     computed = compute(
         pipeline_input,
         tc_train_state,
         embedding_variables,
         *_split_state(pipeline_state),
-        *stages,
         fake_tc_step=fake_tc_step,
         gradient_multiplier=gradient_multiplier,
     )
