@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from embedding._initializers import Constant, Normal, TruncatedNormal, Uniform
 from embedding._malloc import keep_freed_memory
+from embedding._row_draws import draw_rows, draws_by_counter
 from embedding._specs import StackedTableSpec, TableSpec
 from embedding._stacking import Nested, prepare_feature_specs_for_training
 
@@ -208,13 +209,13 @@ def _alike(tables: Sequence[TableSpec]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _drawn_by_id(initializer) -> bool:
+def _drawn_by_id(initializer, key: jax.Array) -> bool:
     """Whether `initializer`'s value for an entry depends only on its index in
-    the flattened table (not on the shape drawn): true of this package's
-    initializers under partitionable threefry (JAX's default)."""
-    return (
-        isinstance(initializer, (Constant, Normal, TruncatedNormal, Uniform))
-        and jax.config.jax_threefry_partitionable
+    the flattened table (not on the shape drawn), so that a table can be drawn
+    a block of rows at a time: true of this package's initializers under
+    `draws_by_counter` keys."""
+    return isinstance(initializer, (Constant, Normal, TruncatedNormal, Uniform)) and (
+        draws_by_counter(key)
     )
 
 
@@ -289,43 +290,73 @@ def _draw_group(
     )  # table_key's
     starts = jnp.asarray(rows_before, jnp.int32)
     rotations = [t.setting_in_stack.shard_rotation for t in group]
-    if _drawn_by_id(first.initializer):
-        # Drawn as [rows per partition, N, dim], entry [a, q] is id a*N + q's,
-        # as in the logical draw, and each device draws only its partitions'
-        # ids: the table is never moved between devices but by its rotation.
-        by_id = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec, None))
-        shape = (setting.padded_vocab_size // num_partitions, num_partitions, first.embedding_dim)
-        # Id a*N + q is a table row iff a*N + q < vocab, compared without the
-        # product (no overflow) and from iotas (no id array in the program).
-        full_rows, rest = divmod(first.vocabulary_size, num_partitions)
-        a = jax.lax.broadcasted_iota(jnp.int32, shape[:2], 0)
-        q = jax.lax.broadcasted_iota(jnp.int32, shape[:2], 1)
-        in_table = (a < full_rows) | ((a == full_rows) & (q < rest))
-
-        def unrotated(i):
-            values = first.initializer(keys[i], shape, jnp.float32)
-            values = jax.lax.with_sharding_constraint(values, by_id)
-            values = jnp.where(in_table[:, :, None], values, 0.0)
-            values = jnp.pad(
-                values, ((0, 0), (0, 0), (0, setting.padded_embedding_dim - first.embedding_dim))
-            )
-            return values.transpose(1, 0, 2)
-    else:
-        # Any other initializer draws the logical table; pinning it to the row
-        # sharding makes every device draw only its own rows, which then move
-        # to the partitions that hold them.
-        shape = (first.vocabulary_size, first.embedding_dim)
-
-        def unrotated(i):
-            values = first.initializer(keys[i], shape, jnp.float32).astype(jnp.float32)
-            values = jax.lax.with_sharding_constraint(values, sharding)
-            return _unrotated_blocks(values[None], setting, num_partitions)[0]
+    if _drawn_by_id(first.initializer, key):
+        return _draw_group_by_blocks(keys, group, starts, stacked, sharding)
+    # Any other initializer draws the logical table; pinning it to the row
+    # sharding makes every device draw only its own rows, which then move to
+    # the partitions that hold them.
+    shape = (first.vocabulary_size, first.embedding_dim)
 
     def place(i, stacked):
-        block = _rotated(unrotated(i), rotations, i)
+        values = first.initializer(keys[i], shape, jnp.float32).astype(jnp.float32)
+        values = jax.lax.with_sharding_constraint(values, sharding)
+        block = _unrotated_blocks(values[None], setting, num_partitions)[0]
+        block = _rotated(block, rotations, i)
         return jax.lax.dynamic_update_slice(stacked, block, (0, starts[i], 0))
 
     return jax.lax.fori_loop(0, len(group), place, stacked)
+
+
+# Entries drawn at once (over all devices): XLA:CPU's random-number temporaries are
+# a few times the block they draw, a small part of any large table.
+_ENTRIES_PER_DRAW = 2**21
+
+
+def _draw_group_by_blocks(
+    keys: jax.Array,
+    group: Sequence[TableSpec],
+    starts: jax.Array,
+    stacked: jax.Array,
+    sharding: NamedSharding,
+) -> jax.Array:
+    """`_draw_group` of `_drawn_by_id` initializers, a block of rows at a time.
+
+    A table is drawn as `[rows per partition, N, dim]`: entry `[a, q]` is id
+    `a*N + q`'s, as in the logical draw, and each device draws only its
+    partitions' ids, so a table moves between devices only by its rotation.
+    Blocks of `a` are drawn in turn (`draw_rows`), each put in its place.
+    """
+    first = group[0]
+    setting = first.setting_in_stack
+    num_partitions = stacked.shape[0]
+    rotations = [t.setting_in_stack.shard_rotation for t in group]
+    by_id = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec, None))
+    rows = setting.padded_vocab_size // num_partitions
+    shape = (rows, num_partitions, first.embedding_dim)
+    block_rows = min(rows, max(1, _ENTRIES_PER_DRAW // (num_partitions * first.embedding_dim)))
+    # The last block ends at the last row, overlapping the one before: its
+    # rows are drawn twice, alike.
+    first_rows = np.minimum(np.arange(0, rows, block_rows), rows - block_rows)
+    full_rows, rest = divmod(first.vocabulary_size, num_partitions)
+
+    def place(j, stacked):
+        i, b = jnp.divmod(j, len(first_rows))
+        first_row = jnp.asarray(first_rows, jnp.int32)[b]
+        values = draw_rows(first.initializer, keys[i], shape, first_rows, b, block_rows)
+        values = jax.lax.with_sharding_constraint(values, by_id)
+        # Id a*N + q is a table row iff a*N + q < vocab, compared without the
+        # product (no overflow) and from iotas (no id array in the program).
+        a = jax.lax.broadcasted_iota(jnp.int32, values.shape[:2], 0) + first_row
+        q = jax.lax.broadcasted_iota(jnp.int32, values.shape[:2], 1)
+        in_table = (a < full_rows) | ((a == full_rows) & (q < rest))
+        values = jnp.where(in_table[:, :, None], values, 0.0)
+        values = jnp.pad(
+            values, ((0, 0), (0, 0), (0, setting.padded_embedding_dim - first.embedding_dim))
+        )
+        block = _rotated(values.transpose(1, 0, 2), rotations, i)
+        return jax.lax.dynamic_update_slice(stacked, block, (0, starts[i] + first_row, 0))
+
+    return jax.lax.fori_loop(0, len(group) * len(first_rows), place, stacked)
 
 
 def init_embedding_variables(

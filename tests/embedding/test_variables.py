@@ -53,6 +53,21 @@ def test_init_is_the_initializer_in_logical_order(devices, slots):
         assert (accumulators[name] == np.float32(0.25)).all()
 
 
+def test_a_key_of_another_generator_draws_each_table_whole():
+    """An rbg key's draws depend on the shape drawn: each table is drawn whole
+    (not by blocks of rows) and is still its initializer's logical draw."""
+    devices, slots = 2, 2
+    specs, mesh = _specs(devices, slots), mesh_of(devices)
+    key = jax.random.key(7, impl="rbg")
+    variables = embedding.init_embedding_variables(key, specs, mesh, num_sc_per_device=slots)
+    tables = _gather(jax.block_until_ready(variables), specs, mesh, slots)
+    for name, (vocab, dim) in TABLES.items():
+        expected = embedding.initializers.Normal(stddev=1.0)(
+            embedding.table_key(key, name), (vocab, dim)
+        )
+        np.testing.assert_array_equal(tables[name], np.asarray(expected))
+
+
 def test_init_is_deterministic_and_depends_on_the_seed():
     specs, mesh = _specs(4, 2), mesh_of(4)
 
@@ -215,6 +230,15 @@ def test_a_stack_of_alike_tables_is_drawn_without_temporaries_of_the_whole_stack
     program = init_program(specs, mesh_of(1), 1).lower(jax.random.key(0)).compile()
     stack_bytes = tables * vocab * dim * 4
     assert program.memory_analysis().temp_size_in_bytes < stack_bytes
+
+
+def test_a_large_table_is_drawn_with_temporaries_far_below_it():
+    """Drawn a block of rows at a time, a table's random-number temporaries are
+    those of a block, not of the table (drawn whole they were several tables)."""
+    vocab, dim = 2**22, 16  # compiled only: never allocated
+    specs = _alike_stack(1, vocab, dim, 1, 1)
+    program = init_program(specs, mesh_of(1), 1).lower(jax.random.key(0)).compile()
+    assert program.memory_analysis().temp_size_in_bytes < vocab * dim * 4 / 4
 
 
 def test_tables_on_several_devices_are_drawn_where_their_partitions_are():
