@@ -35,7 +35,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from embedding import SparseflowError
-from sparseflow import _hosts, _run_identity
+from sparseflow import _array_blocks, _hosts, _run_identity
 from sparseflow._errors import UsageError
 
 _log = logging.getLogger(__name__)
@@ -160,13 +160,8 @@ class Checkpoints:
             _recover_from_crash(self._directory)
         _hosts.barrier("sparseflow:checkpoints_recovered")
         handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        # Tables and slots hardly compress, and compressing them held every
-        # encoded array in memory at once: a save's peak was about twice the
-        # arrays, and it was several times slower (docs/benchmarks.md).
         # Compressed checkpoints of earlier runs still restore.
-        handlers.add(
-            _ARRAYS, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False)
-        )
+        handlers.add(_ARRAYS, ocp.args.PyTreeSave, _array_blocks.handler())
         # Restores read the items through their handlers, not the manager:
         # the manager's restore ends in a barrier that a process whose read
         # failed never reaches, so the others would wait there forever.
@@ -212,7 +207,7 @@ class Checkpoints:
                 snapshot.step,
                 args=ocp.args.Composite(
                     **{
-                        _ARRAYS: ocp.args.PyTreeSave(snapshot.arrays),
+                        _ARRAYS: _array_blocks.save_args(snapshot.arrays),
                         _METADATA: ocp.args.JsonSave(metadata),
                         _INPUT: grain.checkpoint.CheckpointSave(_Position(snapshot.iterator_state)),
                     }
@@ -345,10 +340,12 @@ class Checkpoints:
             restored = (
                 _restore_partially(arrays_directory, abstract)
                 if reading.partial
-                else self._arrays_handler.restore(
+                else _array_blocks.restore(arrays_directory, abstract)
+            )
+            if restored is None:  # arrays stored whole, by an earlier version
+                restored = self._arrays_handler.restore(
                     arrays_directory, args=ocp.args.StandardRestore(abstract)
                 )
-            )
             inspected_elsewhere = self._run is None and jax.process_count() not in _input_processes(
                 step_directory
             )

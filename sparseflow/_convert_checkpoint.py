@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sparseflow import _mesh_change, _run_identity
+from sparseflow import _array_blocks, _mesh_change, _run_identity
 from sparseflow._arguments import add_checkpoint_arguments, add_out_argument
 from sparseflow._checkpoint import Checkpoints, Reading, Snapshot, check_fresh
 from sparseflow._command_config import CommandConfig
@@ -169,8 +169,8 @@ def _write(snapshot: Snapshot, step_folder: Path, out: Path, metadata: dict) -> 
         staging,
         ignore=lambda folder, names: _REWRITTEN if Path(folder) == step_folder else (),
     )
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        checkpointer.save(staging / "arrays", args=ocp.args.StandardSave(snapshot.arrays))
+    with ocp.Checkpointer(_array_blocks.handler()) as checkpointer:
+        checkpointer.save(staging / "arrays", args=_array_blocks.save_args(snapshot.arrays))
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
         checkpointer.save(staging / "metadata", args=ocp.args.JsonSave(metadata))
     final = out / str(snapshot.step)

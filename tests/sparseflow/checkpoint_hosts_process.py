@@ -10,23 +10,23 @@ damaged file only it reads). Prints what it restored as JSON.
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sparseflow import _launch
+from sparseflow import _array_blocks, _launch
 from sparseflow._checkpoint import Checkpoints, Snapshot
 
 RUN = {"tables": {"users": {"vocabulary_size": 100}}}
-_read = ocp.StandardCheckpointHandler.restore
+_read = _array_blocks.restore
 
 
-def _damaged_step_4(self, directory, *args, **kwargs):
-    if directory.parent.name == "4":
+def _damaged_step_4(directory, *args, **kwargs):
+    if Path(directory).parent.name == "4":
         raise OSError(f"{directory} is truncated")
-    return _read(self, directory, *args, **kwargs)
+    return _read(directory, *args, **kwargs)
 
 
 def _arrays(value: float) -> dict:
@@ -42,7 +42,7 @@ def main(directory: str, process_id: int, coordinator: str) -> None:
         position = f"step {step} of process {process_id}".encode()
         checkpoints.save(Snapshot(step, _arrays(step), position, {}))
     if process_id == 1:
-        ocp.StandardCheckpointHandler.restore = _damaged_step_4
+        _array_blocks.restore = _damaged_step_4
     snapshot = checkpoints.restore_latest(_arrays(0))
     checkpoints.close()
     shard = snapshot.arrays["w"].addressable_shards[0].data

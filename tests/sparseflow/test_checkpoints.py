@@ -12,11 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import portpicker
 import pytest
 import yaml
+from etils import epath
 from train_cases import assert_bitwise_equal_runs, cli, write_data
 
 from sparseflow import _checkpoint, _train, load_config
@@ -87,25 +89,66 @@ def test_the_arrays_are_written_uncompressed_and_restore_equal(tmp_path):
     # Zeros: what any compression shrinks most.
     directory = tmp_path / "checkpoints"
     _saved(directory, {1: 0.0})
+    assert _stored_in_chunks(directory / "1")
     shape = (64, 64)
     assert _array_file_bytes(directory / "1") >= np.prod(shape) * 4
     np.testing.assert_array_equal(_restored(directory).arrays["w"], np.zeros(shape, np.float32))
 
 
-def test_a_compressed_checkpoint_of_an_earlier_run_still_restores(tmp_path, monkeypatch):
-    directory = tmp_path / "checkpoints"
+def _saved_as_earlier(directory: Path, monkeypatch, **handler_options) -> None:
+    """`_saved` steps 1 and 2 by orbax's arrays handler with `handler_options`."""
     with monkeypatch.context() as patched:
-        compressed = _checkpoint.ocp.PyTreeCheckpointHandler
+        handler = _checkpoint.ocp.PyTreeCheckpointHandler
         patched.setattr(
             _checkpoint.ocp,
             "PyTreeCheckpointHandler",
-            lambda **kwargs: compressed(**{**kwargs, "use_compression": True}),
+            lambda **kwargs: handler(**{**kwargs, **handler_options}),
         )
         _saved(directory, {1: 0.0, 2: 2.5})
+
+
+def test_a_compressed_checkpoint_of_an_earlier_run_still_restores(tmp_path, monkeypatch):
+    directory = tmp_path / "checkpoints"
+    _saved_as_earlier(directory, monkeypatch, use_compression=True)
     assert _array_file_bytes(directory / "2") < 64 * 64 * 4 / 4  # the case: compressed
     restored = _restored(directory)
     assert restored.step == 2
     np.testing.assert_array_equal(restored.arrays["w"], np.full((64, 64), 2.5, np.float32))
+
+
+def test_a_checkpoint_of_arrays_stored_whole_still_restores(tmp_path, monkeypatch):
+    """Earlier versions stored each shard as one zarr2 chunk; orbax reads those."""
+    directory = tmp_path / "checkpoints"
+    _saved_as_earlier(directory, monkeypatch, use_zarr3=False)
+    assert not _stored_in_chunks(directory / "2")  # the case
+    restored = _restored(directory)
+    assert restored.step == 2
+    np.testing.assert_array_equal(restored.arrays["w"], np.full((64, 64), 2.5, np.float32))
+
+
+def _stored_in_chunks(step_directory: Path) -> bool:
+    """Whether the step's arrays are zarr3 (what `_array_blocks` reads)."""
+    handler = _checkpoint.ocp.PyTreeCheckpointHandler()
+    return handler.metadata(epath.Path(step_directory / "arrays")).use_zarr3
+
+
+def test_a_restore_peaks_at_the_arrays_and_a_few_chunks(tmp_path):
+    """Read a chunk at a time into its place, a 1 GiB array's restore holds little
+    more than the array; read shard by shard (orbax), it held the shard twice."""
+    directory, shape = tmp_path / "checkpoints", (16384, 16384)
+    checkpoints = Checkpoints(directory, run=RUN)
+    checkpoints.save(_snapshot(1, 1.5, shape))
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = {"w": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=one_device)}
+    gc.collect()
+    before = _resident_bytes()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again here
+    restored = checkpoints.restore_latest(like).arrays["w"]
+    peak = _status_bytes("VmHWM") - before
+    checkpoints.close()
+    assert float(restored[-1, -1]) == 1.5
+    print(f"restore peak: {peak / (np.prod(shape) * 4):.3f} of the array")
+    assert peak < 1.5 * np.prod(shape) * 4, peak / (np.prod(shape) * 4)
 
 
 def test_a_restore_leaves_no_second_copy_of_the_arrays_resident(tmp_path):
@@ -130,10 +173,15 @@ def test_a_restore_leaves_no_second_copy_of_the_arrays_resident(tmp_path):
 
 
 def _resident_bytes() -> int:
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process (`VmRSS`, `VmHWM`: its peak) from /proc."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
+    raise AssertionError(f"no {field} in /proc/self/status")
 
 
 def test_a_checkpoint_of_other_arrays_is_an_error_not_damage(tmp_path):
