@@ -10,7 +10,17 @@ it off.
 
 JAX keys an entry by the program, the compile options and XLA flags, the
 devices and the jaxlib version, so a loaded program is the one the compiler
-would give again: results are bitwise the same. The CPU kernels are
+would give again: results are bitwise the same. One exception, by design:
+a program with `custom_partitioning` calls (the interaction's CPU kernels on
+several devices) holds a pointer that differs in every process, and JAX
+keys it without that pointer only when told to (else such a program, the
+pipelined step of every multi-device run, never loads from the cache). So
+told, the key no longer holds the Python partitioners the pointer stood
+for: the entries go into a subfolder named by a fingerprint of this
+library's sources (`code-<hash>`), and a change to them starts a new one.
+A model of the user's own with `custom_partitioning` whose partitioner
+changes without its program changing needs `--no-compilation-cache` (or an
+emptied folder) once. The CPU kernels are
 `jax.ffi` targets called by name; a program that calls them is traced, and
 so looked up, only after `embedding._cpu_kernels` registered them in this
 process.
@@ -18,12 +28,20 @@ process.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import jax
+
+import beam_jobs
+import embedding
+import parallel
+import pipelines
 
 ENV = "SPARSEFLOW_COMPILATION_CACHE"
 
@@ -43,8 +61,8 @@ def folder() -> Path:
     named = os.environ.get(ENV)
     if named:
         return Path(named).expanduser()
-    if jax.config.jax_compilation_cache_dir:
-        return Path(jax.config.jax_compilation_cache_dir)
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
     home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(home) / "sparseflow" / "jax-compilation-cache"
 
@@ -53,7 +71,8 @@ def enable() -> Path | None:
     """Turns the cache on; to be called before anything compiles.
 
     Returns:
-      The cache folder, or None when the cache stays off: JAX's own switch
+      The folder of this library version's entries (`code-<hash>` in
+      `folder()`), or None when the cache stays off: JAX's own switch
       is off, or the folder cannot be created or written (one warning is
       logged, and the run compiles as it would without the cache).
     """
@@ -77,11 +96,26 @@ def enable() -> Path | None:
             e.strerror or e,
         )
         return disable()
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    programs = path / f"code-{_sources_fingerprint()}"
+    programs.mkdir(mode=0o700, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(programs))
+    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
     for name, value in _SETTINGS.items():
         if name.upper() not in os.environ:  # a value the user set for JAX wins
             jax.config.update(name, value)
-    return path
+    return programs
+
+
+@functools.cache
+def _sources_fingerprint() -> str:
+    """16 hex digits of a hash of every Python source of this library's packages."""
+    digest = hashlib.sha256()
+    for package in (embedding, parallel, pipelines, beam_jobs, sys.modules[__package__]):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def disable() -> None:

@@ -41,6 +41,7 @@ _CACHE_SETTINGS = (
     "jax_compilation_cache_dir",
     "jax_persistent_cache_min_compile_time_secs",
     "jax_persistent_cache_min_entry_size_bytes",
+    "jax_remove_custom_partitioning_ptr_from_cache_key",
 )
 
 

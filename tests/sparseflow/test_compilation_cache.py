@@ -26,13 +26,16 @@ WRITES = "/jax/compilation_cache/cache_misses"  # recorded once an entry is writ
 STEPS = 3
 
 
-def _train(tmp: Path, name: str, cache: Path, *flags: str) -> dict:
-    """A 3-step run of the tiny config on one CPU device; its exit, events, losses and stderr."""
+def _train(tmp: Path, name: str, cache: Path, *flags: str, devices: int = 1) -> dict:
+    """A 3-step run of the tiny config on `devices` CPU devices; its exit, events, losses
+    and stderr."""
     checkpoints = tmp / f"checkpoints_{name}"
-    argv = ["train", "--config", str(tmp / "tiny.yaml"), "--devices", "1", "--steps", str(STEPS)]
-    argv += ["--no-progress", "--checkpoint-dir", str(checkpoints), *flags]
+    argv = ["train", "--config", str(tmp / "tiny.yaml"), "--devices", str(devices)]
+    argv += ["--steps", str(STEPS), "--no-progress", "--checkpoint-dir", str(checkpoints), *flags]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=str(REPO), SPARSEFLOW_COMPILATION_CACHE=str(cache))
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     result = subprocess.run(
         [sys.executable, str(HERE / "compilation_cache_process.py"), *argv],
         capture_output=True,
@@ -53,17 +56,22 @@ def _train(tmp: Path, name: str, cache: Path, *flags: str) -> dict:
 
 def _entries(folder: Path) -> dict[str, int]:
     """The folder's files and when each was written; none when there is no folder."""
-    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} if folder.exists() else {}
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*-cache")}
+
+
+def _tiny_run_folder(tmp_path_factory, name: str) -> Path:
+    tmp = tmp_path_factory.mktemp(name)
+    config = load_config(tiny_config(tmp))
+    pipelines.write_synthetic_dataset(
+        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
+    )
+    return tmp
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same run without the cache, then twice with it, and the cache after each."""
-    tmp = tmp_path_factory.mktemp("cache_runs")
-    config = load_config(tiny_config(tmp))
-    pipelines.write_synthetic_dataset(
-        config.synthetic.dataset, config.dataset.dir, num_examples=150, seed=0, num_shards=2
-    )
+    tmp = _tiny_run_folder(tmp_path_factory, "cache_runs")
     cache, unused = tmp / "cache", tmp / "unused_cache"
     unused.mkdir()
     uncached = _train(tmp, "uncached", unused, "--no-compilation-cache")
@@ -94,6 +102,23 @@ def test_the_second_run_loads_every_program_and_trains_bitwise_the_same(runs):
     assert runs["after_second"] == runs["after_first"]
     assert len(second["losses"]) == STEPS
     # Floats through JSON keep every bit; compare their bit patterns all the same.
+    assert [x.hex() for x in second["losses"]] == [x.hex() for x in first["losses"]]
+
+
+def test_the_entries_are_in_a_folder_of_this_code(runs, tmp_path):
+    folders = {Path(name).parent for name in runs["after_first"]}
+    assert folders == {Path(f"code-{_compilation_cache._sources_fingerprint()}")}
+
+
+def test_a_multi_device_runs_custom_partitioned_step_loads_from_the_cache(tmp_path_factory):
+    """The interaction's kernels are custom-partitioned on several devices: their
+    program is keyed without the pointer JAX puts in it, which differs in every
+    process."""
+    tmp = _tiny_run_folder(tmp_path_factory, "cache_runs_4_devices")
+    first = _train(tmp, "first", tmp / "cache", devices=4)
+    second = _train(tmp, "second", tmp / "cache", devices=4)
+    assert second["events"].get(HITS) == first["events"][WRITES]
+    assert WRITES not in second["events"]
     assert [x.hex() for x in second["losses"]] == [x.hex() for x in first["losses"]]
 
 
