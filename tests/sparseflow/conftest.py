@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
 import pytest
 from predict_cases import PREDICTED_RECORDS
 from train_cases import small_demo_config, write_data
@@ -19,18 +26,57 @@ def small_run(tmp_path_factory):
     return tmp, path, config, write_data(config, tmp / "data")
 
 
+@contextlib.contextmanager
+def _log_of(levels: dict[str, int]):
+    """The messages of the named loggers at their given levels, as text, while inside."""
+    text = io.StringIO()
+    handler = logging.StreamHandler(text)
+    loggers = {name: logging.getLogger(name) for name in levels}
+    before = {name: logger.level for name, logger in loggers.items()}
+    for name, logger in loggers.items():
+        logger.setLevel(levels[name])
+        logger.addHandler(handler)
+    try:
+        yield text
+    finally:
+        for name, logger in loggers.items():
+            logger.removeHandler(handler)
+            logger.setLevel(before[name])
+
+
+class TrainedRun(NamedTuple):
+    """4 pipelined steps of the small demo run (a checkpoint every 2 steps, a log line every 2).
+
+    Attributes:
+      log: what it logged: sparseflow._train's lines from INFO, and JAX's
+        line for each program it compiled (`jax.log_compiles`).
+    """
+
+    config: object
+    result: _train.TrainResult
+    checkpoints: Path
+    log: str
+
+
 @pytest.fixture(scope="module")
-def trained(small_run):
-    """`(config, TrainResult, checkpoint dir)` of 4 pipelined steps of the small demo run."""
+def trained_run(small_run) -> TrainedRun:
     tmp, _, config, data = small_run
-    checkpoints = tmp / "predict-checkpoints"
-    result = _train.train(
-        config,
-        _train.TrainOptions(
-            data=data, steps=4, pipelined=True, checkpoint_dir=checkpoints, progress=False
-        ),
-    )
-    return config, result, checkpoints
+    checkpoints = tmp / "trained-checkpoints"
+    levels = {"sparseflow._train": logging.INFO, "jax._src.dispatch": logging.WARNING}
+    with _log_of(levels) as log, jax.log_compiles():
+        result = _train.train(
+            config,
+            _train.TrainOptions(
+                data=data, steps=4, pipelined=True, checkpoint_dir=checkpoints, progress=False
+            ),
+        )
+    return TrainedRun(config, result, checkpoints, log.getvalue())
+
+
+@pytest.fixture(scope="module")
+def trained(trained_run):
+    """`(config, TrainResult, checkpoint dir)` of `trained_run`."""
+    return trained_run.config, trained_run.result, trained_run.checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -112,12 +112,12 @@ def _assert_state_bitwise(got, expected) -> None:
 
 
 class Written(NamedTuple):
-    """A sequential run of 4 steps on 8 devices x 2 partitions, checkpoints at 2 and 4.
+    """A sequential run of 6 steps on 8 devices x 2 partitions, its checkpoints at 2 and 4 kept.
 
     Attributes:
       checkpoints: its checkpoint folder (the tests copy it before writing).
       like: its arrays, shaped as a checkpoint of it holds them.
-      uninterrupted: the same run trained on for 6 steps without stopping.
+      uninterrupted: the run, its 6 steps trained without stopping.
     """
 
     checkpoints: Path
@@ -127,12 +127,15 @@ class Written(NamedTuple):
 
 @pytest.fixture(scope="module")
 def written(small_run) -> Written:
+    """One sequential run of 6 steps: its checkpoint of step 6 removed, it is both
+    the run that saved at 4 (a sequential step 4 is saved alike whatever steps
+    follow) and the run that went on without stopping."""
     tmp, _, config, data = small_run
     checkpoints = tmp / "written_8x2"
-    first = _train.train(config, _options(data, checkpoints, steps=4))
-    uninterrupted = _train.train(config, _options(data, None, steps=6))
-    assert first.losses == uninterrupted.losses[:4]
-    like = {"state": first.train_state, "tables": first.embedding_variables}
+    uninterrupted = _train.train(config, _options(data, checkpoints, steps=6))
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "6"]
+    shutil.rmtree(checkpoints / "6")
+    like = {"state": uninterrupted.train_state, "tables": uninterrupted.embedding_variables}
     return Written(checkpoints, like, uninterrupted)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
+import shutil
 import weakref
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -105,12 +107,14 @@ def _assert_trained_on_after(first: _train.TrainResult, longer: _train.TrainResu
     np.testing.assert_allclose(longer.losses[n], _loss_of_batch(config, first, data, n), rtol=1e-5)
 
 
-def test_a_finished_pipelined_run_resumed_for_more_steps_trains_each_new_batch_once(small_run):
-    tmp, _, config, data = small_run
-    options = dict(data=data, progress=False, pipelined=True, checkpoint_dir=tmp / "longer")
-    first = _train.train(config, _train.TrainOptions(**options, steps=4))
+def test_a_finished_pipelined_run_resumed_for_more_steps_trains_each_new_batch_once(
+    small_run, trained_run, tmp_path
+):
+    _, _, config, data = small_run
+    checkpoints = Path(shutil.copytree(trained_run.checkpoints, tmp_path / "longer"))
+    options = dict(data=data, progress=False, pipelined=True, checkpoint_dir=checkpoints)
     longer = _train.train(config, _train.TrainOptions(**options, steps=6, resume=True))
-    _assert_trained_on_after(first, longer, config, data)
+    _assert_trained_on_after(trained_run.result, longer, config, data)
 
 
 def test_a_run_stopped_between_its_draining_calls_resumes_for_more_steps(small_run):
@@ -236,14 +240,12 @@ def test_the_clock_splits_a_window_into_examples_and_input_wait(monkeypatch):
     assert clock.waits == [0.3, 0.1, 0.5] and clock.calls == [0.1, 0.5, 0.0]
 
 
-def test_the_log_shows_examples_per_second_and_input_wait(small_run, caplog):
-    _, _, config, data = small_run
-    config = dataclasses.replace(config, training=dataclasses.replace(config.training, log_every=2))
-    with caplog.at_level("INFO", logger="sparseflow._train"):
-        result = _train.train(config, _train.TrainOptions(data=data, steps=4, progress=False))
+def test_the_log_shows_examples_per_second_and_input_wait(trained_run):
+    assert trained_run.config.training.log_every == 2
+    result = trained_run.result
     lines = re.findall(
         r"step (\d+): .* ([0-9]+) examples/s, ([0-9]+)% of the time waiting for input",
-        caplog.text,
+        trained_run.log,
     )
     assert [step for step, _, _ in lines] == ["2", "4"]
     assert all(int(rate) > 0 and 0 <= int(share) <= 100 for _, rate, share in lines)
@@ -253,16 +255,11 @@ def test_the_log_shows_examples_per_second_and_input_wait(small_run, caplog):
     assert result.time_to_first_step > result.input_wait_seconds[0] + result.call_seconds[0]
 
 
-def test_a_pipelined_run_compiles_its_step_once(small_run, caplog):
+def test_a_pipelined_run_compiles_its_step_once(trained_run):
     """The filling and draining calls run the steady program (their TC stage
     discarded): a variant without it compiled a second program, and on several
     devices the steady one twice, placed by each variant's outputs in turn."""
-    _, _, config, data = small_run
-    assert config.mesh.devices == 8
-    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax._src.dispatch"):
-        result = _train.train(
-            config, _train.TrainOptions(data=data, steps=4, pipelined=True, progress=False)
-        )
-    compiled = re.findall(r"Finished XLA compilation of jit\(pipelined_step\)", caplog.text)
-    assert len(compiled) == 1, caplog.text
-    assert len(result.losses) == 4
+    assert trained_run.config.mesh.devices == 8
+    compiled = re.findall(r"Finished XLA compilation of jit\(pipelined_step\)", trained_run.log)
+    assert len(compiled) == 1, trained_run.log
+    assert len(trained_run.result.losses) == 4
