@@ -52,7 +52,8 @@ batch, after training, in the same process). Each side's loss over its last
 rounds, with the min/max over rounds (`*_range`) and every round's ratio
 (`*_by_round`). Then our 1-device runner starts twice with an empty and then
 a warm compilation cache folder (`SPARSEFLOW_COMPILATION_CACHE`; the rounds
-run without it): `first_run_first_step_s`, `second_run_first_step_s`.
+run without it): `first_run_first_step_s`, `second_run_first_step_s`; and
+the 8-device runner the same (`_8dev`).
 
 `ratio_vs_torchrec_e2e` is our 1-device steady-state examples/s over
 TorchRec's (above 1 we are faster), `_8dev` the same for 8 devices,
@@ -340,20 +341,31 @@ def _progress(name: str, figures: dict) -> None:
     )
 
 
-def compilation_cache_runs(args, config: Path, fdo: Path) -> dict:
-    """Time to the first step of our 1-device runner with an empty, then a warm, cache folder."""
-    folder = args.data_dir / "compilation-cache"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    first = run_ours(config, fdo, 1, CACHE_RUN_STEPS, cache=folder)
-    files = sum(len(names) for _, _, names in os.walk(folder))
-    second = run_ours(config, fdo, 1, CACHE_RUN_STEPS, cache=folder)
-    return {
-        "first_run_first_step_s": round(first["time_to_first_step_s"], 2),
-        "second_run_first_step_s": round(second["time_to_first_step_s"], 2),
-        "compilation_cache_used": second["compilation_cache"] is not None,
-        "compilation_cache_files": files,
-    }
+def compilation_cache_runs(args, setup: Setup) -> dict:
+    """Time to the first step of our runner with an empty, then a warm, cache folder: on
+    1 device, and (`_8dev`) on the 8-device mesh where it runs."""
+    figures = {}
+    for name, devices in setup.devices.items():
+        if name == "ours_nnx":
+            continue
+        folder = args.data_dir / f"compilation-cache-{devices}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        first = run_ours(
+            setup.configs[name], setup.fdo[name], devices, CACHE_RUN_STEPS, cache=folder
+        )
+        files = sum(len(names) for _, _, names in os.walk(folder))
+        second = run_ours(
+            setup.configs[name], setup.fdo[name], devices, CACHE_RUN_STEPS, cache=folder
+        )
+        suffix = "" if devices == 1 else f"_{devices}dev"
+        figures |= {
+            f"first_run_first_step_s{suffix}": round(first["time_to_first_step_s"], 2),
+            f"second_run_first_step_s{suffix}": round(second["time_to_first_step_s"], 2),
+            f"compilation_cache_used{suffix}": second["compilation_cache"] is not None,
+            f"compilation_cache_files{suffix}": files,
+        }
+    return figures
 
 
 class Setup:
@@ -451,7 +463,7 @@ def main() -> None:
     for name, rounds in runs.items():
         figures[name] = side_summary(rounds) | notes.get(name, {})
     figures |= ratios(runs)
-    figures |= compilation_cache_runs(args, setup.configs["ours"], setup.fdo["ours"])
+    figures |= compilation_cache_runs(args, setup)
     figures["cpu_count"] = os.cpu_count()
     figures["load_average_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(figures))
