@@ -1,13 +1,15 @@
-"""A checkpoint's arrays written in chunks and read back a block of rows at a time.
+"""A checkpoint's arrays written in chunks and read back a chunk at a time.
 
-Orbax reads each shard of an array whole into host memory and copies it to
-its device (`jax.device_put` copies on CPU too), and its host copies live
-until the collector frees them: a resumed run held its tables twice, and a
-table that trains in memory could not be resumed in it. So the trainer
-writes every array in chunks of at most `CHUNK_BYTES` (zarr3 in orbax's
-OCDBT store; `save_args`), and `restore` reads each shard a block of
-chunks at a time, writing every block into its place in the shard (a
-donated update, in place): beyond the arrays it holds one block.
+Orbax reads each shard of an array whole into host memory before it puts it
+on its device: from files that hold a shard as one chunk (what it writes
+by default) a resumed run held about twice its tables, and a table that
+trains in memory could not be resumed in it. Where `jax.device_put` aliases
+the host array instead (an aligned one, on CPU), the first step that
+donates it copies it, twice the tables again. So the trainer writes every
+array in chunks of at most `CHUNK_BYTES` (zarr3 in orbax's OCDBT store;
+`save_args`), and `restore` reads each shard a chunk at a time into a
+buffer of the device's own (zeros, then donated updates in place): beyond
+the arrays it holds about two chunks.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
-# A chunk, and the least a block holds: small enough to be a small part of a
-# large table, large enough that reading by chunks costs no more than whole.
+# The most a stored chunk holds, so the most a restore reads at once: a small
+# part of a large table, and large enough that reading by chunks costs no
+# more than reading whole (docs/benchmarks.md).
 CHUNK_BYTES = 64 * 2**20
 
 

@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import jax
 
-import beam_jobs
-import embedding
-import parallel
-import pipelines
-
 ENV = "SPARSEFLOW_COMPILATION_CACHE"
+# This library's packages, found without importing them (`beam_jobs` would
+# import Apache Beam into every command).
+_PACKAGES = ("embedding", "parallel", "pipelines", "beam_jobs", "sparseflow")
 
 _log = logging.getLogger(__name__)
 
@@ -110,8 +108,8 @@ def enable() -> Path | None:
 def _sources_fingerprint() -> str:
     """16 hex digits of a hash of every Python source of this library's packages."""
     digest = hashlib.sha256()
-    for package in (embedding, parallel, pipelines, beam_jobs, sys.modules[__package__]):
-        root = Path(package.__file__).parent
+    for package in _PACKAGES:
+        root = Path(importlib.util.find_spec(package).origin).parent
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root.parent)).encode())
             digest.update(path.read_bytes())

@@ -166,3 +166,17 @@ def test_the_cache_lives_in_the_users_cache_folder(no_jax_cache_folder, monkeypa
     assert _compilation_cache.folder() == expected
     monkeypatch.setenv(_compilation_cache.ENV, str(tmp_path / "named"))
     assert _compilation_cache.folder() == tmp_path / "named"
+
+
+def test_the_code_fingerprint_imports_nothing_it_hashes():
+    """`train` does not import Apache Beam; hashing `beam_jobs`' sources must not either."""
+    probe = (
+        "import sys\n"
+        "from sparseflow import _compilation_cache\n"
+        "print(_compilation_cache._sources_fingerprint())\n"
+        "print('apache_beam' in sys.modules, 'beam_jobs' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    fingerprint, imported = out.stdout.splitlines()[-2:]
+    assert fingerprint == _compilation_cache._sources_fingerprint()
+    assert imported == "False False"
