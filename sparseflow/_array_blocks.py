@@ -6,8 +6,8 @@ by default) a resumed run held about twice its tables, and a table that
 trains in memory could not be resumed in it. Where `jax.device_put` aliases
 the host array instead (an aligned one, on CPU), the first step that
 donates it copies it, twice the tables again. So the trainer writes every
-array in chunks of at most `CHUNK_BYTES` (zarr3 in orbax's OCDBT store;
-`save_args`), and `restore` reads each shard a chunk at a time into a
+large array in chunks of at most `CHUNK_BYTES` (zarr3 in orbax's OCDBT
+store; `save_args`), and `restore` reads each shard a chunk at a time into a
 buffer of the device's own (zeros, then donated updates in place): beyond
 the arrays it holds about two chunks.
 """
@@ -43,10 +43,40 @@ def handler() -> ocp.PyTreeCheckpointHandler:
 
 
 def save_args(arrays: Any) -> ocp.args.PyTreeSave:
-    """What `handler()` saves `arrays` by: every array in chunks of at most `CHUNK_BYTES`."""
+    """What `handler()` saves `arrays` by: each array in chunks of `chunk_byte_size(array)`.
+
+    OCDBT's data files are left unbounded: orbax otherwise chunks any shard
+    over 2 GB, by its own choice of divisor.
+    """
     return ocp.args.PyTreeSave(
-        arrays, save_args=jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), arrays)
+        arrays,
+        save_args=jax.tree.map(lambda x: ocp.SaveArgs(chunk_byte_size=chunk_byte_size(x)), arrays),
+        ocdbt_target_data_file_size=0,
     )
+
+
+def chunk_byte_size(array: jax.Array) -> int | None:
+    """The size of the chunks to store `array` in: whole rows, the most that fit
+    `CHUNK_BYTES` and divide a shard's rows (orbax cuts chunks within shards);
+    None, a chunk per shard, where a shard fits `CHUNK_BYTES`, or where no
+    divisor of its rows makes a chunk of a sixteenth of that (a table of 8 x
+    a prime rows would be stored and read 8 rows at a time)."""
+    shard = array.sharding.shard_shape(array.shape)
+    nbytes = math.prod(shard) * np.dtype(array.dtype).itemsize
+    if not shard or nbytes <= CHUNK_BYTES:
+        return None
+    row_bytes = nbytes // shard[0]
+    rows = _largest_divisor_at_most(shard[0], CHUNK_BYTES // row_bytes)
+    return rows * row_bytes if rows * row_bytes * 16 >= CHUNK_BYTES else None
+
+
+def _largest_divisor_at_most(n: int, bound: int) -> int:
+    """The largest divisor of `n` that is at most `bound` (0 where `bound` < 1)."""
+    best = 0
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            best = max([best] + [x for x in (d, n // d) if x <= bound])
+    return best
 
 
 def restore(directory: Path, abstract: Any) -> Any | None:

@@ -43,7 +43,7 @@ def _arrays() -> dict:
         "one_device": jnp.asarray(rng.normal(size=(1003, 16)), jnp.float32),
         "by_rows": jax.device_put(rng.normal(size=(1000, 16)).astype(np.float32), rows),
         "per_row": jax.device_put(rng.normal(size=(1000,)).astype(np.float32), rows),
-        "wide": jnp.asarray(rng.normal(size=(24, 3000)), jnp.float32),  # chunked along columns
+        "awkward": jnp.asarray(rng.normal(size=(2 * 1009, 16)), jnp.float32),  # 2 x a prime rows
         "replicated": jax.device_put(
             np.arange(10, dtype=np.float32), NamedSharding(mesh, PartitionSpec())
         ),
@@ -58,15 +58,47 @@ def test_the_arrays_restore_bitwise_in_their_shardings(tmp_path, monkeypatch):
     # An empty node, as optax's states hold: no array of its own.
     path = _save(tmp_path / "arrays", {**arrays, "empty": optax.EmptyState()}, use_zarr3=True)
     stored = ocp.PyTreeCheckpointHandler().metadata(path).tree
-    # The case: arrays stored in many chunks, shards cut across chunks.
-    assert stored["one_device"].storage.chunk_shape[0] < 1003
-    assert stored["wide"].storage.chunk_shape[1] < 3000
+    # The case: arrays stored in many chunks, shards cut across chunks; and
+    # rows with no divisor near a chunk stored a chunk per shard.
+    assert stored["one_device"].storage.chunk_shape == (59, 16)  # 1003 = 17 x 59
+    assert stored["by_rows"].storage.chunk_shape == (50, 16)  # shards of 250 rows
+    assert stored["awkward"].storage.chunk_shape == (2018, 16)
     restored = _array_blocks.restore(path, {**_abstract(arrays), "empty": optax.EmptyState()})
     assert restored.pop("empty") == optax.EmptyState()
     for name, array in arrays.items():
         assert restored[name].sharding == array.sharding, name
         assert restored[name].dtype == array.dtype, name
         np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(array), err_msg=name)
+
+
+def test_chunks_cut_along_any_dimension_are_read_into_place(tmp_path, monkeypatch):
+    """Files of other writers: orbax's own choice of chunks cuts a wide array's columns."""
+    monkeypatch.setattr(_array_blocks, "CHUNK_BYTES", SMALL_CHUNK)
+    wide = {"wide": jnp.asarray(np.random.default_rng(1).normal(size=(24, 3000)), jnp.float32)}
+    path = epath.Path(tmp_path / "arrays")
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_zarr3=True)
+    chunks = {"wide": ocp.SaveArgs(chunk_byte_size=SMALL_CHUNK)}
+    handler.save(path, args=ocp.args.PyTreeSave(wide, save_args=chunks))
+    handler.finalize(path)
+    assert handler.metadata(path).tree["wide"].storage.chunk_shape[1] < 3000  # the case
+    restored = _array_blocks.restore(path, _abstract(wide))
+    np.testing.assert_array_equal(np.asarray(restored["wide"]), np.asarray(wide["wide"]))
+
+
+@pytest.mark.parametrize(
+    ("rows", "chunk_rows"),
+    [
+        (100_000_000, 1_000_000),  # 64 MB chunks of 16 floats a row
+        (8_000_024, 1_000_003),  # 8 x 1,000,003: a divisor just under a chunk
+        (10_000_024, None),  # 8 x 1,250,003 (prime): 8-row chunks otherwise
+        (1_000_000, None),  # fits one chunk
+    ],
+)
+def test_chunks_are_whole_rows_dividing_the_shard(rows, chunk_rows):
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    table = jax.ShapeDtypeStruct((rows, 16), jnp.float32, sharding=one_device)
+    expected = None if chunk_rows is None else chunk_rows * 16 * 4
+    assert _array_blocks.chunk_byte_size(table) == expected
 
 
 def test_arrays_stored_whole_are_left_to_orbax(tmp_path):
