@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,6 +45,8 @@ _log = logging.getLogger(__name__)
 _SET_ASIDE = re.compile(r"^(\d+)\.replaced$")
 # Where orbax writes a step before renaming it to the step's number.
 _TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
+# Removals of a failed save's folder, 0.1 s apart (`_remove_while_written`).
+_REMOVAL_ATTEMPTS = 50
 # A checkpoint's items: the arrays, the metadata, the input positions.
 _ARRAYS, _METADATA, _INPUT = "arrays", "metadata", "input"
 # One process's file in the input positions (Grain's naming).
@@ -233,7 +236,7 @@ class Checkpoints:
             # What the save wrote is its own to delete: it may be what filled the disk.
             for entry in self._directory.iterdir():
                 if _TEMPORARY.match(entry.name) and entry.name.startswith(f"{step}."):
-                    shutil.rmtree(entry, ignore_errors=True)
+                    _remove_while_written(entry)
             if set_aside is not None:
                 os.rename(set_aside, self._directory / str(step))
         kept = sorted(int(p.name) for p in self._directory.iterdir() if p.name.isdigit())
@@ -455,6 +458,22 @@ def _mismatch(
             f"holds the input positions of {sorted(counts)} processes, not of {jax.process_count()}"
         )
     return None
+
+
+def _remove_while_written(folder: Path) -> None:
+    """Removes `folder`, again while writes still land in it.
+
+    After a failed save, TensorStore's writes of other chunks that were
+    already under way can create files in the folder while it is removed
+    (seen on a loaded machine): the removal is repeated, for a few seconds
+    at most, until the folder is gone.
+    """
+    for _ in range(_REMOVAL_ATTEMPTS):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            return
+        time.sleep(0.1)
+    _log.warning("%s could not be removed completely; delete it by hand.", folder)
 
 
 def _recover_from_crash(directory: Path) -> None:
