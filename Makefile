@@ -30,8 +30,9 @@ $(KERNELS): $(STAMP) $(wildcard embedding/_cpu_kernels/*)
 demo: $(KERNELS)
 	$(VENV)/bin/sparseflow demo
 
-# One test process per core (pytest-xdist): the suite takes about 0.8 of its
-# sequential time on 2 cores, more where there are more.
+# One test process per usable core, within the memory (pytest-xdist, with
+# tests/worker_count.py): the suite takes about 0.8 of its sequential time
+# on 2 cores, more where there are more.
 test: $(KERNELS)
 	$(PY) -m pytest -q -n auto
 

@@ -283,18 +283,18 @@ def _draw_group(
       sharding: the stacked table's row sharding.
     """
     first = group[0]
-    setting = first.setting_in_stack
-    num_partitions = stacked.shape[0]
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         key, np.array([_name_hash(t.name) for t in group], np.uint32)
     )  # table_key's
     starts = jnp.asarray(rows_before, jnp.int32)
-    rotations = [t.setting_in_stack.shard_rotation for t in group]
     if _drawn_by_id(first.initializer, key):
         return _draw_group_by_blocks(keys, group, starts, stacked, sharding)
     # Any other initializer draws the logical table; pinning it to the row
     # sharding makes every device draw only its own rows, which then move to
     # the partitions that hold them.
+    setting = first.setting_in_stack
+    num_partitions = stacked.shape[0]
+    rotations = [t.setting_in_stack.shard_rotation for t in group]
     shape = (first.vocabulary_size, first.embedding_dim)
 
     def place(i, stacked):

@@ -45,8 +45,9 @@ _log = logging.getLogger(__name__)
 _SET_ASIDE = re.compile(r"^(\d+)\.replaced$")
 # Where orbax writes a step before renaming it to the step's number.
 _TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
-# Removals of a failed save's folder, 0.1 s apart (`_remove_while_written`).
-_REMOVAL_ATTEMPTS = 50
+# A failed save's folder is removed again until it has stayed away this long
+# (seconds), for at most `_REMOVAL_LIMIT` (`_remove_while_written`).
+_REMOVAL_SETTLE, _REMOVAL_LIMIT = 2.0, 30.0
 # A checkpoint's items: the arrays, the metadata, the input positions.
 _ARRAYS, _METADATA, _INPUT = "arrays", "metadata", "input"
 # One process's file in the input positions (Grain's naming).
@@ -461,19 +462,29 @@ def _mismatch(
 
 
 def _remove_while_written(folder: Path) -> None:
-    """Removes `folder`, again while writes still land in it.
+    """Removes `folder`, and again while late writes of the failed save land in it.
 
-    After a failed save, TensorStore's writes of other chunks that were
-    already under way can create files in the folder while it is removed
-    (seen on a loaded machine): the removal is repeated, for a few seconds
-    at most, until the folder is gone.
+    Orbax stops waiting for a save at its first failed write; the writes of
+    other items and chunks already under way go on in threads of orbax and
+    TensorStore, and TensorStore creates a file's missing parent folders, so
+    one of them can bring the folder back after it was removed (seen on
+    loaded machines, never reproduced on an idle one). The folder is removed
+    until it has stayed away for `_REMOVAL_SETTLE` seconds, for at most
+    `_REMOVAL_LIMIT`; a folder that still comes back is named in a warning
+    (the next run's opening of the folder removes it, `_recover_from_crash`).
     """
-    for _ in range(_REMOVAL_ATTEMPTS):
+    deadline = time.monotonic() + _REMOVAL_LIMIT
+    while True:
         shutil.rmtree(folder, ignore_errors=True)
+        gone_since = time.monotonic()
+        while not folder.exists() and time.monotonic() - gone_since < _REMOVAL_SETTLE:
+            time.sleep(0.05)
         if not folder.exists():
             return
-        time.sleep(0.1)
-    _log.warning("%s could not be removed completely; delete it by hand.", folder)
+        if time.monotonic() > deadline:
+            _log.warning("%s could not be removed completely; delete it by hand.", folder)
+            return
+        time.sleep(0.05)
 
 
 def _recover_from_crash(directory: Path) -> None:

@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 from memory_maps import memory_maps_over
+from worker_count import worker_count
 
 # Eight virtual CPU devices, the shape every multi-device test assumes. XLA
 # reads the flag once, when jax initializes its backend, so it is set here.
@@ -34,6 +35,17 @@ except ImportError:
 else:
     # Grain reads absl flags; under pytest nothing parses the command line.
     flags.FLAGS.mark_as_parsed()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: the cores this process may use and the memory holds
+    (`worker_count`), not pytest-xdist's count of the host's physical cores,
+    which in a container can be far more than it runs on. pytest-xdist's
+    PYTEST_XDIST_AUTO_NUM_WORKERS still decides where it is set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return worker_count()
 
 
 _CACHE_SETTINGS = (

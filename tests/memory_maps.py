@@ -1,4 +1,5 @@
-"""How many memory mappings this process holds, against what Linux allows (/proc)."""
+"""This process's memory as /proc tells it: its mappings against what Linux
+allows, its resident and peak bytes."""
 
 from pathlib import Path
 
@@ -17,3 +18,11 @@ def memory_maps_over(share: float) -> bool:
     except (OSError, ValueError):
         return False
     return count > share * limit
+
+
+def status_bytes(field: str) -> int:
+    """A memory figure of this process (`VmRSS`, `VmHWM`: its peak) from /proc."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")

@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from memory_maps import status_bytes
 
 from sparseflow import _array_blocks
 
@@ -129,16 +130,9 @@ def test_a_restored_array_is_donated_in_place(tmp_path, rows):
     table = _array_blocks.restore(path, abstract)["table"]
     # Compiled first: the compiler's memory is not the step's.
     step = jax.jit(lambda t: t.at[0].add(1.0), donate_argnums=0).lower(table).compile()
-    before = _status_bytes("VmRSS")
+    before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the peak starts again here
     table = jax.block_until_ready(step(table))
-    grown = _status_bytes("VmHWM") - before
+    grown = status_bytes("VmHWM") - before
     assert float(table[0, 0]) == 2.0
     assert grown < 0.25 * rows * 16 * 4, grown / (rows * 16 * 4)
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")

@@ -10,6 +10,8 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -19,6 +21,7 @@ import portpicker
 import pytest
 import yaml
 from etils import epath
+from memory_maps import status_bytes
 from train_cases import assert_bitwise_equal_runs, cli, write_data
 
 from sparseflow import _checkpoint, _train, load_config
@@ -58,8 +61,9 @@ def test_a_step_saved_again_is_kept_until_its_replacement_is_complete(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        # This checkout's packages, not those of the environment's install.
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        # This checkout's packages, not those of the environment's install, and
+        # the tests' helpers (this module imports `memory_maps`).
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
     )
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert any(".orbax-checkpoint-tmp" in p.name for p in directory.iterdir())
@@ -144,7 +148,7 @@ def test_a_restore_peaks_at_the_arrays_and_a_few_chunks(tmp_path):
     before = _resident_bytes()
     Path("/proc/self/clear_refs").write_text("5")  # the peak starts again here
     restored = checkpoints.restore_latest(like).arrays["w"]
-    peak = _status_bytes("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     checkpoints.close()
     assert float(restored[-1, -1]) == 1.5
     print(f"restore peak: {peak / (np.prod(shape) * 4):.3f} of the array")
@@ -173,15 +177,7 @@ def test_a_restore_leaves_no_second_copy_of_the_arrays_resident(tmp_path):
 
 
 def _resident_bytes() -> int:
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int:
-    """A memory figure of this process (`VmRSS`, `VmHWM`: its peak) from /proc."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")
+    return status_bytes("VmRSS")
 
 
 def test_a_checkpoint_of_other_arrays_is_an_error_not_damage(tmp_path):
@@ -319,6 +315,44 @@ def _other_config(tmp: Path, config_path: Path):
     path = tmp / "other_tables.yaml"
     path.write_text(yaml.safe_dump(raw))
     return load_config(path)
+
+
+def _rewritten_at(folder: Path, delays: list[float]) -> threading.Thread:
+    """A writer that creates a file in `folder` (and the folder) after each of `delays`."""
+
+    def write():
+        start = time.monotonic()
+        for delay in delays:
+            time.sleep(max(0.0, start + delay - time.monotonic()))
+            (folder / "arrays").mkdir(parents=True, exist_ok=True)
+            (folder / "arrays" / f"late_{delay}").write_bytes(b"x")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    return writer
+
+
+def test_a_failed_saves_folder_is_removed_again_when_late_writes_bring_it_back(tmp_path):
+    folder = tmp_path / "6.orbax-checkpoint-tmp"
+    (folder / "arrays").mkdir(parents=True)
+    writer = _rewritten_at(folder, [0.3, 0.9])
+
+    _checkpoint._remove_while_written(folder)
+    writer.join()
+
+    assert not folder.exists()
+
+
+def test_a_folder_that_keeps_coming_back_is_named_in_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(_checkpoint, "_REMOVAL_LIMIT", 0.5)
+    folder = tmp_path / "6.orbax-checkpoint-tmp"
+    writer = _rewritten_at(folder, [0.05 * k for k in range(40)])
+
+    with caplog.at_level("WARNING", logger=_checkpoint.__name__):
+        _checkpoint._remove_while_written(folder)
+    writer.join()
+
+    assert f"{folder} could not be removed completely" in caplog.text
 
 
 @pytest.mark.parametrize("change", ["tables", "dataset"])
