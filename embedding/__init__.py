@@ -13,6 +13,7 @@ from embedding._feature_input import InvalidIdPolicy, RaggedIds
 from embedding._interaction import pairwise_dots
 from embedding._layout import LimitBreachError
 from embedding._lookup import LayoutIndex, sparse_dense_matmul
+from embedding._malloc import give_back_freed_memory
 from embedding._mesh_geometry import MeshGeometry
 from embedding._minibatch import AllReduceInterface
 from embedding._optimizers import *  # noqa: F403 - the specs and slots its __all__ lists
@@ -84,6 +85,7 @@ __all__ = [
     "gather_tables",
     "auto_stack_tables",
     "get_stacked_table_specs",
+    "give_back_freed_memory",
     "init_embedding_variables",
     "initializers",
     "jte_compat",

@@ -750,6 +750,10 @@ def _loop(run: _Run, batches, n: int, start: int, pending, checkpoints, metrics)
                 jax.block_until_ready((run.state, run.tables))
                 run.record(output)
             clock.add(called - waiting, time.perf_counter() - called)
+            if t == start:
+                # The tables are initialized and the step compiled and run: what
+                # that work freed, the steps do not use again.
+                embedding.give_back_freed_memory()
             done = t + 1
             logged = _report(run, metrics, progress, logged, clock)
             if checkpoints is not None and (done % every == 0 or done == total):

@@ -54,9 +54,11 @@ _PROGRAM = textwrap.dedent(
 )
 
 
-def _faults(tmp_path, mode: str, environment: dict[str, str] | None = None) -> dict:
-    script = tmp_path / "steps.py"
-    script.write_text(_PROGRAM)
+def _run(tmp_path, program: str, *args: str, environment: dict[str, str] | None = None) -> dict:
+    """The JSON of the last line `program` prints, run in a fresh process without the
+    environment's malloc settings, with `environment`'s."""
+    script = tmp_path / "program.py"
+    script.write_text(program)
     env = {
         name: value
         for name, value in os.environ.items()
@@ -66,13 +68,16 @@ def _faults(tmp_path, mode: str, environment: dict[str, str] | None = None) -> d
         XLA_FLAGS="--xla_force_host_platform_device_count=1",
         PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]),
     )
-    if environment:
-        env.update(environment)
+    env.update(environment or {})
     done = subprocess.run(
-        [sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _faults(tmp_path, mode: str, environment: dict[str, str] | None = None) -> dict:
+    return _run(tmp_path, _PROGRAM, mode, environment=environment)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
@@ -93,3 +98,36 @@ def test_a_threshold_the_environment_sets_is_kept(tmp_path):
                         {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}):  # fmt: skip
         kept = _faults(tmp_path, "tables", environment)
         assert kept["faults_per_call"] > kept["temp_pages"], (environment, kept)
+
+
+_FREED = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import embedding
+    from embedding import _malloc
+
+    def resident():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+
+    assert _malloc.keep_freed_memory()
+    # One-time work: 96 MiB in blocks below the mmap threshold (heap blocks),
+    # touched, then freed: less than the trim threshold, so the heap keeps it.
+    blocks = [np.ones(2**20, np.float32) for _ in range(24)]
+    before = resident()
+    del blocks
+    kept = resident()
+    given_back = embedding.give_back_freed_memory()
+    after = before - resident()
+    print(json.dumps({"kept": before - kept, "after": after, "given_back": given_back}))
+    """
+)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_memory_freed_by_one_time_work_is_given_back(tmp_path):
+    freed = _run(tmp_path, _FREED)
+    blocks = 24 * 4 * 2**20
+    assert freed["kept"] < blocks / 4, freed  # the thresholds keep it resident
+    assert freed["given_back"] and freed["after"] > 0.9 * blocks, freed
