@@ -11,8 +11,9 @@ from typing import NamedTuple
 import jax
 import pytest
 from predict_cases import PREDICTED_RECORDS
-from train_cases import small_demo_config, write_data
+from train_cases import STEP_COMPILED, small_demo_config, write_data
 
+import embedding
 import pipelines
 from sparseflow import _train, load_config
 
@@ -50,12 +51,15 @@ class TrainedRun(NamedTuple):
     Attributes:
       log: what it logged: sparseflow._train's lines from INFO, and JAX's
         line for each program it compiled (`jax.log_compiles`).
+      given_back: at each call of `embedding.give_back_freed_memory`, how many
+        compilations of the pipelined step the log held.
     """
 
     config: object
     result: _train.TrainResult
     checkpoints: Path
     log: str
+    given_back: list[int]
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +67,21 @@ def trained_run(small_run) -> TrainedRun:
     tmp, _, config, data = small_run
     checkpoints = tmp / "trained-checkpoints"
     levels = {"sparseflow._train": logging.INFO, "jax._src.dispatch": logging.WARNING}
-    with _log_of(levels) as log, jax.log_compiles():
+    given_back, give_back = [], embedding.give_back_freed_memory
+    with _log_of(levels) as log, jax.log_compiles(), pytest.MonkeyPatch.context() as patch:
+
+        def recorded() -> bool:
+            given_back.append(log.getvalue().count(STEP_COMPILED))
+            return give_back()
+
+        patch.setattr(embedding, "give_back_freed_memory", recorded)
         result = _train.train(
             config,
             _train.TrainOptions(
                 data=data, steps=4, pipelined=True, checkpoint_dir=checkpoints, progress=False
             ),
         )
-    return TrainedRun(config, result, checkpoints, log.getvalue())
+    return TrainedRun(config, result, checkpoints, log.getvalue(), given_back)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from train_cases import STEP_COMPILED, small_demo_config
 from train_cases import cli as _cli
-from train_cases import small_demo_config
 
 import pipelines
 from sparseflow import _in_flight, _train, load_config
@@ -260,6 +260,11 @@ def test_a_pipelined_run_compiles_its_step_once(trained_run):
     discarded): a variant without it compiled a second program, and on several
     devices the steady one twice, placed by each variant's outputs in turn."""
     assert trained_run.config.mesh.devices == 8
-    compiled = re.findall(r"Finished XLA compilation of jit\(pipelined_step\)", trained_run.log)
-    assert len(compiled) == 1, trained_run.log
+    assert trained_run.log.count(STEP_COMPILED) == 1, trained_run.log
     assert len(trained_run.result.losses) == 4
+
+
+def test_what_the_start_freed_is_given_back_once_the_step_is_compiled(trained_run):
+    """Once, at the first call: after the tables' initialization and the step's
+    compilation, whose freed memory the steps do not use again."""
+    assert trained_run.given_back == [1]

@@ -17,6 +17,8 @@ from sparseflow import _train, shipped_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = 5120
+# JAX's log line for each compilation of the pipelined step (`jax.log_compiles`).
+STEP_COMPILED = "Finished XLA compilation of jit(pipelined_step)"
 
 
 def small_demo_config(tmp: Path, training: dict, name: str = "config.yaml", **top) -> Path:
