@@ -24,6 +24,10 @@ import parallel
 from parallel import pipeshard
 from sparseflow._tower_config import PipeshardConfig
 
+# XLA's options for a program that runs once at a run's start: its compilation,
+# not its run, is what the start waits for (docs/benchmarks.md).
+_RUN_ONCE = {"xla_backend_optimization_level": 0}
+
 
 class TrainState(NamedTuple):
     """The dense side of training.
@@ -304,20 +308,27 @@ class PipeshardTc:
         )
 
 
+def initial_train_state(
+    key: jax.Array, dense_model: Any, optimizer: optax.GradientTransformation
+) -> TrainState:
+    """The dense parameters (`dense_model.init`), their optimizer state and step 0,
+    traced (`init_train_state` compiles and runs it; `jax.eval_shape` of it gives
+    the shapes)."""
+    params = dense_model.init(key)
+    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
 def init_train_state(
     key: jax.Array, dense_model: Any, optimizer: optax.GradientTransformation
 ) -> TrainState:
-    """The dense parameters (`dense_model.init`), their optimizer state and step 0.
+    """`initial_train_state` as one compiled program.
 
-    One compiled program: run op by op, the initializers and the optimizer's
-    zeros compiled a program each (half a second of a run's start).
+    Run op by op, the initializers and the optimizer's zeros compiled a
+    program each (half a second of a run's start). It runs once, so XLA
+    compiles it without its backend optimizations.
     """
-
-    def init(key: jax.Array) -> TrainState:
-        params = dense_model.init(key)
-        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
-
-    return jax.jit(init)(key)
+    init = functools.partial(initial_train_state, dense_model=dense_model, optimizer=optimizer)
+    return jax.jit(init, compiler_options=_RUN_ONCE)(key)
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:

@@ -44,7 +44,14 @@ from sparseflow._checkpoint import Checkpoints, Snapshot, check_fresh
 from sparseflow._dict_params import reading_dict_params
 from sparseflow._errors import UsageError
 from sparseflow._metrics import MetricsWriter, Progress
-from sparseflow._steps import DenseInputs, Stages, TrainState, init_train_state, replicate
+from sparseflow._steps import (
+    DenseInputs,
+    Stages,
+    TrainState,
+    init_train_state,
+    initial_train_state,
+    replicate,
+)
 from sparseflow.config._run_config import RunConfig
 
 _log = logging.getLogger(__name__)
@@ -447,7 +454,8 @@ def dense_state(config: RunConfig, dense_model, key: jax.Array) -> TrainState:
 
 def abstract_dense_state(config: RunConfig, dense_model, sharding) -> TrainState:
     """The shapes and dtypes of `dense_state`, each with `sharding` (to restore it into)."""
-    shapes = jax.eval_shape(lambda: dense_state(config, dense_model, jax.random.key(0)))
+    optimizer = _model.dense_optimizer(config.model)
+    shapes = jax.eval_shape(lambda: initial_train_state(jax.random.key(0), dense_model, optimizer))
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
 
 
