@@ -33,3 +33,6 @@ def test_no_more_workers_than_the_memory_holds(monkeypatch):
 def test_a_cgroup_quota_caps_the_cores(monkeypatch):
     monkeypatch.setattr(worker_count, "_cpu_quota", lambda: 2.5)
     assert worker_count.usable_cores() == min(3, len(os.sched_getaffinity(0)))
+    # Under one core's worth: one, whatever the affinity allows.
+    monkeypatch.setattr(worker_count, "_cpu_quota", lambda: 0.5)
+    assert worker_count.usable_cores() == 1

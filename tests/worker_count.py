@@ -48,6 +48,5 @@ def available_memory() -> int | None:
 
 def worker_count() -> int:
     """One test process per usable core, no more than the memory holds."""
-    memory = available_memory()
-    by_memory = usable_cores() if memory is None else max(1, memory // WORKER_MEMORY)
-    return max(1, min(usable_cores(), by_memory))
+    cores, memory = usable_cores(), available_memory()
+    return cores if memory is None else max(1, min(cores, memory // WORKER_MEMORY))
