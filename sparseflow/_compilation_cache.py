@@ -20,7 +20,10 @@ for: the entries go into a subfolder named by a fingerprint of this
 library's sources (`code-<hash>`), and a change to them starts a new one.
 A model of the user's own with `custom_partitioning` whose partitioner
 changes without its program changing needs `--no-compilation-cache` (or an
-emptied folder) once. The CPU kernels are
+emptied folder) once. The processes of a multi-process run on CPU key a
+program over all their devices alike (`share_between_processes`), so that
+each of them loads what process 0, the only one JAX lets write, compiled.
+The CPU kernels are
 `jax.ffi` targets called by name; a program that calls them is traced, and
 so looked up, only after `embedding._cpu_kernels` registered them in this
 process.
@@ -119,3 +122,47 @@ def _sources_fingerprint() -> str:
 def disable() -> None:
     """Keeps the cache off, even where JAX's own `JAX_COMPILATION_CACHE_DIR` names a folder."""
     jax.config.update("jax_enable_compilation_cache", False)
+
+
+def share_between_processes(timeout_s: float = 120.0) -> None:
+    """Lets every process of a `jax.distributed` group on CPU load the programs
+    process 0 wrote; to be called once the group has formed, before anything
+    compiles, by every process of it.
+
+    JAX keys a CPU program by the topology of its devices as this process's
+    client describes it: the process's own devices and its CPU's target
+    options. The processes of one group then key the same program over the
+    group's devices apart, and since JAX writes the entries of process 0 only,
+    every other process compiled every program again at every start, and the
+    group waited for it at the first collective. Here the processes exchange
+    their fingerprints through the group's key-value store, and a program over
+    the devices of several processes is keyed by all of them: alike in every
+    process of the group, and still apart for a group whose hosts have another
+    CPU. Programs over one process's devices keep JAX's key.
+    """
+    from jax._src import cache_key, distributed
+    from jax._src.lib import xla_client
+
+    if (
+        not jax.config.jax_enable_compilation_cache
+        or jax.process_count() == 1
+        or jax.default_backend() != "cpu"
+    ):
+        return
+    client = distributed.global_state.client
+    own = xla_client.get_topology_for_devices(jax.local_devices()).fingerprint()
+    client.key_value_set(f"sparseflow/cpu_topology/{jax.process_index()}", str(own))
+    fingerprints = [
+        client.blocking_key_value_get(f"sparseflow/cpu_topology/{p}", int(timeout_s * 1000))
+        for p in range(jax.process_count())
+    ]
+    group = hashlib.sha256(",".join(fingerprints).encode()).digest()
+    hash_one_process = cache_key._hash_accelerator_config
+
+    def hash_accelerator_config(hash_obj, accelerators) -> None:
+        if len({device.process_index for device in accelerators.flat}) > 1:
+            hash_obj.update(group)
+        else:
+            hash_one_process(hash_obj, accelerators)
+
+    cache_key._hash_accelerator_config = hash_accelerator_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -319,19 +319,33 @@ def initial_train_state(
 
 
 def init_train_state(
-    key: jax.Array, dense_model: Any, optimizer: optax.GradientTransformation
+    key: jax.Array, dense_model: Any, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> TrainState:
-    """`initial_train_state` as one compiled program.
+    """`initial_train_state` as one compiled program, on every device of `mesh`.
 
     Run op by op, the initializers and the optimizer's zeros compiled a
-    program each (half a second of a run's start). It runs once, so XLA
-    compiles it without its backend optimizations.
+    program each. It runs once, so XLA compiles it without its backend
+    optimizations. Every device computes the whole state: put there from one
+    device, a run of several processes would first check that the processes
+    hold the same values, one collective per array (docs/benchmarks.md).
     """
     init = functools.partial(initial_train_state, dense_model=dense_model, optimizer=optimizer)
-    return jax.jit(init, compiler_options=_RUN_ONCE)(key)
+    return jax.jit(init, out_shardings=_replicated(mesh), compiler_options=_RUN_ONCE)(key)
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Places a pytree on every device of `mesh` (the dense state)."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.device_put(tree, sharding)
+def replicated_zeros(structs: Sequence[jax.ShapeDtypeStruct], mesh: Mesh) -> list[jax.Array]:
+    """Zeros of each struct's shape and dtype on every device of `mesh`, by one program.
+
+    Made there, not copied there from one device: across processes of one
+    device each, `jax.device_put` gave arrays whose shards orbax could not
+    read when saving them.
+    """
+    shapes = tuple((struct.shape, struct.dtype) for struct in structs)
+    return jax.jit(
+        lambda: [jnp.zeros(shape, dtype) for shape, dtype in shapes],
+        out_shardings=_replicated(mesh),
+    )()
+
+
+def _replicated(mesh: Mesh) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -50,7 +50,7 @@ from sparseflow._steps import (
     TrainState,
     init_train_state,
     initial_train_state,
-    replicate,
+    replicated_zeros,
 )
 from sparseflow.config._run_config import RunConfig
 
@@ -380,7 +380,7 @@ class _Run:
         self.tables = embedding.init_embedding_variables(
             key_tables, self.specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
         )
-        self.state = replicate(dense_state(config, self.dense_model, key_dense), mesh)
+        self.state = dense_state(config, self.dense_model, key_dense, mesh)
         self.pipeline_state = None
         self.segment = _Segment()
         self.next_call: int | None = None  # in the loop: the call its next batch is for
@@ -447,9 +447,10 @@ def stages(config: RunConfig, specs, mesh: Mesh, dense_model) -> Stages:
     )
 
 
-def dense_state(config: RunConfig, dense_model, key: jax.Array) -> TrainState:
-    """The dense model's initial parameters, optimizer state and step."""
-    return init_train_state(key, dense_model, _model.dense_optimizer(config.model))
+def dense_state(config: RunConfig, dense_model, key: jax.Array, mesh: Mesh) -> TrainState:
+    """The dense model's initial parameters, optimizer state and step, on every device of
+    `mesh`."""
+    return init_train_state(key, dense_model, _model.dense_optimizer(config.model), mesh)
 
 
 def abstract_dense_state(config: RunConfig, dense_model, sharding) -> TrainState:
@@ -472,12 +473,15 @@ def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
         aux_sharding=sharding,
     )
 
-    # Placeholders left on one device (scalars, the output) are put on every
-    # device, so that a restored state is placed like the step's other arguments.
-    def on_mesh(x):
-        return x if isinstance(x.sharding, NamedSharding) else replicate(x, run.mesh)
-
-    return jax.tree.map(on_mesh, state)
+    # Placeholders left on one device (scalars, the output; zeros, as every
+    # placeholder) are made on every device, so that a restored state is placed
+    # like the step's other arguments.
+    leaves, treedef = jax.tree.flatten(state)
+    apart = [i for i, leaf in enumerate(leaves) if not isinstance(leaf.sharding, NamedSharding)]
+    made = replicated_zeros([leaves[i] for i in apart], run.mesh)
+    for i, zeros in zip(apart, made, strict=True):
+        leaves[i] = zeros
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _dummy_input(pipeline_state) -> parallel.CurrentStepInput:

@@ -11,7 +11,7 @@ import jax
 
 import embedding
 import pipelines
-from sparseflow import _launch, _train
+from sparseflow import _compilation_cache, _launch, _train
 from sparseflow._arguments import (
     add_compilation_cache_argument,
     add_config_argument,
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace, command_config: CommandConfig) -> None:
             args.process_id,
             bind_address=args.coordinator_bind_address,
         )
+        _compilation_cache.share_between_processes()
     config = with_agreement_security(args, command_config.load())
     try:
         result = _train.train(config, options(args, config))

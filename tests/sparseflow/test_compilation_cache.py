@@ -6,13 +6,16 @@ read and written once per process), counting JAX's own cache events.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from tiny_config import tiny_config
 
@@ -26,13 +29,15 @@ WRITES = "/jax/compilation_cache/cache_misses"  # recorded once an entry is writ
 STEPS = 3
 
 
-def _train(tmp: Path, name: str, cache: Path, *flags: str, devices: int = 1) -> dict:
-    """A 3-step run of the tiny config on `devices` CPU devices; its exit, events, losses
-    and stderr."""
+def _train(
+    tmp: Path, name: str, cache: Path, *flags: str, devices: int = 1, env: dict | None = None
+) -> dict:
+    """A 3-step run of the tiny config on `devices` CPU devices (with `env` added to the
+    environment); its exit, events, losses and stderr."""
     checkpoints = tmp / f"checkpoints_{name}"
     argv = ["train", "--config", str(tmp / "tiny.yaml"), "--devices", str(devices)]
     argv += ["--steps", str(STEPS), "--no-progress", "--checkpoint-dir", str(checkpoints), *flags]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
     env.update(PYTHONPATH=str(REPO), SPARSEFLOW_COMPILATION_CACHE=str(cache))
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -120,6 +125,42 @@ def test_a_multi_device_runs_custom_partitioned_step_loads_from_the_cache(tmp_pa
     assert second["events"].get(HITS) == first["events"][WRITES]
     assert WRITES not in second["events"]
     assert [x.hex() for x in second["losses"]] == [x.hex() for x in first["losses"]]
+
+
+def _misses(run: dict) -> collections.Counter:
+    """The programs each process of the run did not find in the cache, by name."""
+    return collections.Counter(re.findall(r"CACHE MISS for '(\w+)'", run["stderr"]))
+
+
+@pytest.fixture(scope="module")
+def group_runs(tmp_path_factory):
+    """Two runs of 2 processes of one device each, pipelined, with the cache: JAX's
+    cache misses in the output."""
+    tmp = _tiny_run_folder(tmp_path_factory, "cache_runs_2_processes")
+    flags = ("--num-processes", "2", "--verbose")
+    env = {"JAX_EXPLAIN_CACHE_MISSES": "1"}
+    first = _train(tmp, "first", tmp / "cache", *flags, devices=2, env=env)
+    return first, _train(tmp, "second", tmp / "cache", *flags, devices=2, env=env)
+
+
+def test_every_process_of_a_group_loads_the_programs_over_its_devices(group_runs):
+    """JAX writes the entries of process 0 only, and keys a CPU program by the
+    devices its process's client holds: unless the processes key a program over
+    all their devices alike, process 1 compiles it again at every start."""
+    first, second = group_runs
+    # The dense parameters' initialization and the training step run on both processes' devices.
+    over_the_group = {"jit_initial_train_state", *(n for n in _misses(first) if "step" in n)}
+    assert len(over_the_group) == 2, _misses(first)
+    assert all(_misses(first)[name] == 2 for name in over_the_group), _misses(first)
+    assert not over_the_group & set(_misses(second)), _misses(second)
+    assert [x.hex() for x in second["losses"]] == [x.hex() for x in first["losses"]]
+
+
+def test_processes_of_one_device_each_save_a_pipelined_run_and_train_as_one(runs, group_runs):
+    """Placeholders of the pipeline state copied onto such a group's devices were
+    arrays orbax could not save: the first checkpoint failed."""
+    for run in group_runs:
+        np.testing.assert_allclose(run["losses"], runs["first"]["losses"], rtol=1e-6)
 
 
 def test_no_compilation_cache_neither_reads_nor_writes_and_trains_the_same(runs):
