@@ -152,10 +152,19 @@ def share_between_processes(timeout_s: float = 120.0) -> None:
     client = distributed.global_state.client
     own = xla_client.get_topology_for_devices(jax.local_devices()).fingerprint()
     client.key_value_set(f"sparseflow/cpu_topology/{jax.process_index()}", str(own))
-    fingerprints = [
-        client.blocking_key_value_get(f"sparseflow/cpu_topology/{p}", int(timeout_s * 1000))
-        for p in range(jax.process_count())
-    ]
+    try:
+        fingerprints = [
+            client.blocking_key_value_get(f"sparseflow/cpu_topology/{p}", int(timeout_s * 1000))
+            for p in range(jax.process_count())
+        ]
+    except jax.errors.JaxRuntimeError as error:
+        _log.warning(
+            "The processes did not exchange their CPUs' descriptions within %.0f s (%s); "
+            "each process compiles the programs it does not find under its own key.",
+            timeout_s,
+            error,
+        )
+        return
     group = hashlib.sha256(",".join(fingerprints).encode()).digest()
     hash_one_process = cache_key._hash_accelerator_config
 

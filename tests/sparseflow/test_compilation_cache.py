@@ -7,12 +7,16 @@ read and written once per process), counting JAX's own cache events.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -161,6 +165,94 @@ def test_processes_of_one_device_each_save_a_pipelined_run_and_train_as_one(runs
     arrays orbax could not save: the first checkpoint failed."""
     for run in group_runs:
         np.testing.assert_allclose(run["losses"], runs["first"]["losses"], rtol=1e-6)
+
+
+class _Fingerprint(NamedTuple):
+    value: int
+
+    def fingerprint(self) -> int:
+        return self.value
+
+
+class _Store:
+    """The group's key-value store as one process sees it: what the others published."""
+
+    def __init__(self, published: dict[str, str]):
+        self.values = dict(published)
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        if key not in self.values:
+            raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: {key} within {timeout_ms} ms")
+        return self.values[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    process_index: int
+
+
+@pytest.fixture
+def as_a_process_of_two(monkeypatch):
+    """`share(index, cpus, published)`: runs `share_between_processes` as process
+    `index` of 2, each process's CPU described by `cpus[p]` and the store holding
+    `published`; returns the accelerator hash it leaves, and restores JAX's."""
+    from jax._src import cache_key, distributed
+    from jax._src.lib import xla_client
+
+    jax.devices()  # the backend started before the store is replaced
+    jax.config.update("jax_enable_compilation_cache", True)  # restored by the conftest
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    original = cache_key._hash_accelerator_config
+    monkeypatch.setattr(cache_key, "_hash_accelerator_config", original)
+
+    def share(index: int, cpus: tuple[int, int], published: dict[str, str]):
+        monkeypatch.setattr(jax, "process_index", lambda: index)
+        monkeypatch.setattr(
+            xla_client, "get_topology_for_devices", lambda _: _Fingerprint(cpus[index])
+        )
+        monkeypatch.setattr(distributed.global_state, "client", _Store(published))
+        _compilation_cache.share_between_processes(timeout_s=0.1)
+        left = cache_key._hash_accelerator_config
+        cache_key._hash_accelerator_config = original
+        return left
+
+    return share
+
+
+def _digest(hash_accelerator_config, process_indices: list[int]) -> bytes:
+    digest = hashlib.sha256()
+    hash_accelerator_config(digest, np.array([_Device(p) for p in process_indices], object))
+    return digest.digest()
+
+
+def test_the_processes_of_a_group_key_a_program_over_their_devices_alike(as_a_process_of_two):
+    from jax._src import cache_key
+
+    key = "sparseflow/cpu_topology/{}".format
+    on_0 = as_a_process_of_two(0, (10, 11), {key(1): "11"})
+    on_1 = as_a_process_of_two(1, (10, 11), {key(0): "10"})
+    assert _digest(on_0, [0, 1]) == _digest(on_1, [0, 1])
+    # A group whose process 1 runs on another CPU keys it apart.
+    other_cpu = as_a_process_of_two(0, (10, 12), {key(1): "12"})
+    assert _digest(other_cpu, [0, 1]) != _digest(on_0, [0, 1])
+    # A program over one process's devices keeps JAX's key.
+    jaxs = cache_key._hash_accelerator_config
+    assert _digest(on_0, [0]) == _digest(jaxs, [0]) != _digest(on_0, [0, 1])
+
+
+def test_a_process_that_never_publishes_leaves_jaxs_keys_with_a_warning(
+    as_a_process_of_two, caplog
+):
+    from jax._src import cache_key
+
+    with caplog.at_level(logging.WARNING, logger="sparseflow._compilation_cache"):
+        left = as_a_process_of_two(0, (10, 11), {})
+    assert left is cache_key._hash_accelerator_config
+    assert "did not exchange their CPUs' descriptions within 0 s" in caplog.text
 
 
 def test_no_compilation_cache_neither_reads_nor_writes_and_trains_the_same(runs):
