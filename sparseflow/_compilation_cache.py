@@ -174,4 +174,6 @@ def share_between_processes(timeout_s: float = 120.0) -> None:
         else:
             hash_one_process(hash_obj, accelerators)
 
+    # JAX has no public hook for this part of its key: the pinned JAX's private
+    # function is wrapped, and the tests run a group twice to see it loads.
     cache_key._hash_accelerator_config = hash_accelerator_config
