@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -330,22 +330,5 @@ def init_train_state(
     hold the same values, one collective per array (docs/benchmarks.md).
     """
     init = functools.partial(initial_train_state, dense_model=dense_model, optimizer=optimizer)
-    return jax.jit(init, out_shardings=_replicated(mesh), compiler_options=_RUN_ONCE)(key)
-
-
-def replicated_zeros(structs: Sequence[jax.ShapeDtypeStruct], mesh: Mesh) -> list[jax.Array]:
-    """Zeros of each struct's shape and dtype on every device of `mesh`, by one program.
-
-    Made there, not copied there from one device: across processes of one
-    device each, `jax.device_put` gave arrays whose shards orbax could not
-    read when saving them.
-    """
-    shapes = tuple((struct.shape, struct.dtype) for struct in structs)
-    return jax.jit(
-        lambda: [jnp.zeros(shape, dtype) for shape, dtype in shapes],
-        out_shardings=_replicated(mesh),
-    )()
-
-
-def _replicated(mesh: Mesh) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(init, out_shardings=replicated, compiler_options=_RUN_ONCE)(key)

@@ -50,7 +50,6 @@ from sparseflow._steps import (
     TrainState,
     init_train_state,
     initial_train_state,
-    replicated_zeros,
 )
 from sparseflow.config._run_config import RunConfig
 
@@ -462,7 +461,7 @@ def abstract_dense_state(config: RunConfig, dense_model, sharding) -> TrainState
 
 def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
     sharding = NamedSharding(run.mesh, PartitionSpec(run.mesh.axis_names[0]))
-    state = parallel.get_initial_state(
+    return parallel.get_initial_state(
         parallel.CurrentStepInput(batch.sparse, _dense_inputs(batch)),
         run.state,
         run.tables,
@@ -471,17 +470,10 @@ def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
         dense_input_sharding=sharding,
         sparse_input_sharding=sharding,
         aux_sharding=sharding,
+        # Scalars and the output on every device, so that a restored state is
+        # placed like the step's other arguments.
+        replicated_sharding=NamedSharding(run.mesh, PartitionSpec()),
     )
-
-    # Placeholders left on one device (scalars, the output; zeros, as every
-    # placeholder) are made on every device, so that a restored state is placed
-    # like the step's other arguments.
-    leaves, treedef = jax.tree.flatten(state)
-    apart = [i for i, leaf in enumerate(leaves) if not isinstance(leaf.sharding, NamedSharding)]
-    made = replicated_zeros([leaves[i] for i in apart], run.mesh)
-    for i, zeros in zip(apart, made, strict=True):
-        leaves[i] = zeros
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def _dummy_input(pipeline_state) -> parallel.CurrentStepInput:

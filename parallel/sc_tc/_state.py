@@ -123,6 +123,7 @@ def get_initial_state(
     dense_input_sharding: jax.sharding.Sharding | None = None,
     sparse_input_sharding: jax.sharding.Sharding | None = None,
     aux_sharding: jax.sharding.Sharding | None = None,
+    replicated_sharding: jax.sharding.Sharding | None = None,
 ) -> PipelineState:
     """The pipeline state before call 0: zeros shaped like what the stages pass on.
 
@@ -148,6 +149,11 @@ def get_initial_state(
         way. Give it when the aux holds per-batch arrays that the stages
         produce sharded (e.g. `embedding.LayoutIndex`, by rows): a state
         placed otherwise makes every step reshard it.
+      replicated_sharding: places the leaves no other sharding places (the
+        step number, scalars, the TC stage's output), e.g. `NamedSharding(mesh,
+        P())`; default: the default device. The zeros are made where they go:
+        copied there from one device by `jax.device_put`, a run of several
+        processes of one device each got arrays orbax could not save.
 
     Returns:
       The initial `PipelineState` (`pipeline_step` 0).
@@ -158,15 +164,16 @@ def get_initial_state(
         changes the structure of the train state.
     """
     _check_pipeline_input(pipeline_input)
-    sparse = _abstract(pipeline_input.sparse_inputs, sparse_input_sharding)
-    dense = _abstract(pipeline_input.dense_inputs, dense_input_sharding)
+    place = functools.partial(_abstract, rest=replicated_sharding)
+    sparse = place(pipeline_input.sparse_inputs, sparse_input_sharding)
+    dense = place(pipeline_input.dense_inputs, dense_input_sharding)
     activations, sc_fwd_aux = jax.eval_shape(
         lambda s, v: _unpack(sc_fwd_function(s, v), "sc_fwd_function", _SC_FWD_OUTPUTS),
         sparse,
         embedding_variables,
     )
-    activations = _abstract(activations, sparse_input_sharding)
-    sc_fwd_aux = _abstract(sc_fwd_aux, aux_sharding)
+    activations = place(activations, sparse_input_sharding)
+    sc_fwd_aux = place(sc_fwd_aux, aux_sharding)
     # A host-driven TC stage cannot be traced; it gives a traceable twin for the shapes.
     traceable = getattr(tc_function, "shape_function", tc_function)
     tc = jax.eval_shape(
@@ -175,16 +182,16 @@ def get_initial_state(
     _check_train_state(tc_train_state, tc.train_state)
     state = _placeholder_state(
         PipelineState,
-        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated_sharding),
         LastStepInput(
             sparse_inputs=sparse,
             embedding_activations=activations,
             dense_inputs=dense,
             sc_fwd_aux=sc_fwd_aux,
         ),
-        _abstract(tc.embedding_gradients, sparse_input_sharding),
-        _abstract(tc.tc_aux, aux_sharding),
-        _abstract(tc.output, None),
+        place(tc.embedding_gradients, sparse_input_sharding),
+        place(tc.tc_aux, aux_sharding),
+        place(tc.output, None),
     )
     return _zeros(state)
 
@@ -240,11 +247,13 @@ def _merge_state(consumed: _Consumed, kept: PipelineState) -> PipelineState:
     )
 
 
-def _abstract(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
+def _abstract(
+    tree: Any, sharding: jax.sharding.Sharding | None, rest: jax.sharding.Sharding | None
+) -> Any:
     """`ShapeDtypeStruct`s shaped like every leaf of `tree` (arrays or structs).
 
     With `sharding`, leaves with at least one dimension are placed by it;
-    other leaves go to the default device.
+    other leaves by `rest` (None: the default device).
 
     Raises:
       ValueError: `sharding` cannot place a leaf (e.g. its rows do not divide).
@@ -253,7 +262,7 @@ def _abstract(tree: Any, sharding: jax.sharding.Sharding | None) -> Any:
     def abstract(leaf):
         shape, dtype = np.shape(leaf), jnp.result_type(leaf)
         if sharding is None or not shape:
-            return jax.ShapeDtypeStruct(shape, dtype)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rest)
         try:
             sharding.shard_shape(shape)
         except ValueError as e:

@@ -649,6 +649,23 @@ def test_sharded_state_and_steps_match_the_unsharded_run():
     assert_same_training((table, train_state, losses), expected, rtol=1e-4)
 
 
+def test_the_replicated_sharding_places_every_leaf_the_others_leave():
+    mesh = jax.sharding.Mesh(jax.devices(), ("data",))
+    by_rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    table, train_state, batches = make_problem(1)
+    state = get_initial_state(
+        batches[0], train_state, table, lookup, dense_train,
+        dense_input_sharding=by_rows, sparse_input_sharding=by_rows,
+        replicated_sharding=replicated,
+    )  # fmt: skip
+    assert state.pipeline_step.sharding == replicated
+    assert state.placeholder_output["loss"].sharding == replicated
+    assert state.last_step_inputs.embedding_activations.sharding == by_rows
+    for leaf in jax.tree.leaves(state):
+        assert leaf.sharding in (by_rows, replicated)
+        np.testing.assert_array_equal(np.asarray(leaf), 0)
+
+
 # ---------------------------------------------------------------------------
 # Errors.
 
