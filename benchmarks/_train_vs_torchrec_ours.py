@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from sparseflow import _compilation_cache, _train  # noqa: E402
+from sparseflow import _compilation_cache, _process, _train  # noqa: E402
 from sparseflow._cli import load_cli_config  # noqa: E402
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--preprocess-batches", type=int, default=0)
     parser.add_argument("--compilation-cache", action="store_true")
     args = parser.parse_args()
+    _process.freeze_live_objects()  # as `sparseflow train` does once it is imported
     cache = None  # the cache's folder while it is on
     if args.compilation_cache:
         cache = _compilation_cache.enable()

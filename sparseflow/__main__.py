@@ -2,6 +2,6 @@
 
 import sys
 
-from sparseflow._cli import main
+from sparseflow._cli import script
 
-sys.exit(main())
+sys.exit(script())

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from embedding import SparseflowError
-from sparseflow import _compilation_cache, _logging
+from sparseflow import _compilation_cache, _logging, _process
 from sparseflow._arguments import subcommand
 from sparseflow._command_config import CommandConfig
 from sparseflow._version import __version__
@@ -157,10 +157,22 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def script() -> int:
+    """The `sparseflow` script and `python -m sparseflow`: `main` of this process's own
+    command line. Unlike a call of `main` inside a user's program, it owns the process, whose
+    objects it takes out of the garbage collector's scans once the command's modules are in
+    and again before the process exits (`_process.freeze_live_objects`)."""
+    status = main(owns_process=True)
+    _process.freeze_live_objects()
+    return status
+
+
+def main(argv: Sequence[str] | None = None, *, owns_process: bool = False) -> int:
     """Runs the command line; returns the exit status (2 on a user error, 1 on a bug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser(argv).parse_args(argv)
+    if owns_process:
+        _process.freeze_live_objects()
     args.argv = argv
     _logging.configure(verbose=args.verbose)
     try:

@@ -476,14 +476,6 @@ def _initial_pipeline_state(run: _Run, batch: pipelines.DeviceBatch):
     )
 
 
-def _dummy_input(pipeline_state) -> parallel.CurrentStepInput:
-    """Zeros shaped like a batch: what the two draining calls are fed."""
-    last = pipeline_state.last_step_inputs
-    return jax.tree.map(
-        jnp.zeros_like, parallel.CurrentStepInput(last.sparse_inputs, last.dense_inputs)
-    )
-
-
 def _number_of_steps(run: _Run, batches: pipelines.DeviceIterator) -> int:
     wanted = run.options.steps or run.config.training.steps or batches.num_batches
     if wanted > batches.num_batches:
@@ -819,7 +811,7 @@ def _pipelined_call(run: _Run, t: int, n: int, batch) -> None:
     if batch is not None:
         pipeline_input = parallel.CurrentStepInput(batch.sparse, _dense_inputs(batch))
     else:
-        pipeline_input = _dummy_input(run.pipeline_state)
+        pipeline_input = parallel.get_draining_input(run.pipeline_state)
     valid = parallel.is_output_valid(t, n)
     output, _, run.state, run.tables, run.pipeline_state = run.pipelined_step(
         pipeline_input, run.state, run.tables, run.pipeline_state, valid=valid

@@ -17,7 +17,7 @@ by side. n batches take n + 2 calls:
 so batch i is looked up in the tables updated with batches 0..i-2 (one
 update fewer than in sequential training), and the TC output of batch
 `t - 1` comes out of call `t` for `1 <= t <= n` (`is_output_valid`). Calls
-n and n+1 take dummy inputs (e.g. zeros like a real batch). At calls 0 and
+n and n+1 take dummy inputs (`get_draining_input`: zeros like a real batch). At calls 0 and
 1 the SC backward stage gets the all-zero placeholder sparse inputs and zero
 gradients from `get_initial_state`; it must leave the tables unchanged for
 them (plain SGD and Adagrad do; an optimizer that moves rows on zero
@@ -35,7 +35,8 @@ state's pass-through leaves outside the program, see its docstring):
     for t in range(parallel.get_pipeline_train_steps(n)):
         valid = parallel.is_output_valid(t, n)
         out, _, train_state, tables, state = run_step(
-            batch(t) if t < n else dummy, train_state, tables, state,
+            batch(t) if t < n else parallel.get_draining_input(state),
+            train_state, tables, state,
             fake_tc_step=not valid)
         if valid:
             log(out)  # batch t - 1
@@ -60,6 +61,7 @@ from parallel.sc_tc import _types
 from parallel.sc_tc._adapter import unstacked_tc_function
 from parallel.sc_tc._drivers import host_driven_step, jit_step
 from parallel.sc_tc._state import (
+    get_draining_input,
     get_initial_state,
     get_pipeline_state_sharding,
     get_pipeline_train_steps,
@@ -70,6 +72,7 @@ from parallel.sc_tc._types import *  # noqa: F403 - the stage and state types it
 
 __all__ = [
     *_types.__all__,
+    "get_draining_input",
     "get_initial_state",
     "get_pipeline_state_sharding",
     "get_pipeline_train_steps",

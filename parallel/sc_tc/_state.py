@@ -44,6 +44,18 @@ def is_output_valid(pipeline_step: int, num_steps: int) -> bool:
     return 1 <= pipeline_step <= num_steps
 
 
+def get_draining_input(state: PipelineState) -> CurrentStepInput:
+    """Zeros shaped and placed like the inputs of `state`'s last batch: what calls n and
+    n + 1, which drain the pipeline, take instead of a batch.
+
+    One compiled program per placement (`_zeros`): zeros made leaf by leaf
+    (`jnp.zeros_like`) were a program each, compiled in every run at its
+    first draining call.
+    """
+    last = state.last_step_inputs
+    return _zeros(CurrentStepInput(last.sparse_inputs, last.dense_inputs))
+
+
 def get_pipeline_state_sharding(
     pipeline_state_cls: Callable[..., PipelineState],
     dense_input_sharding: ShardingTree,

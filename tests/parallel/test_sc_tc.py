@@ -649,7 +649,9 @@ def test_sharded_state_and_steps_match_the_unsharded_run():
     assert_same_training((table, train_state, losses), expected, rtol=1e-4)
 
 
-def test_the_replicated_sharding_places_every_leaf_the_others_leave():
+def _state_on_the_devices():
+    """The initial state of a 1-batch problem, inputs by rows of the 8 devices, the
+    rest replicated; with its batch and the two shardings."""
     mesh = jax.sharding.Mesh(jax.devices(), ("data",))
     by_rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     table, train_state, batches = make_problem(1)
@@ -658,12 +660,33 @@ def test_the_replicated_sharding_places_every_leaf_the_others_leave():
         dense_input_sharding=by_rows, sparse_input_sharding=by_rows,
         replicated_sharding=replicated,
     )  # fmt: skip
+    return state, batches[0], by_rows, replicated
+
+
+def test_the_replicated_sharding_places_every_leaf_the_others_leave():
+    state, _, by_rows, replicated = _state_on_the_devices()
     assert state.pipeline_step.sharding == replicated
     assert state.placeholder_output["loss"].sharding == replicated
     assert state.last_step_inputs.embedding_activations.sharding == by_rows
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding in (by_rows, replicated)
         np.testing.assert_array_equal(np.asarray(leaf), 0)
+
+
+def test_the_draining_input_is_zeros_placed_like_the_last_batch():
+    state, batch, by_rows, _ = _state_on_the_devices()
+    last = state.last_step_inputs
+    like = CurrentStepInput(last.sparse_inputs, last.dense_inputs)
+    drained = parallel.get_draining_input(state)
+    assert jax.tree.structure(drained) == jax.tree.structure(batch)
+    assert {x.sharding for x in jax.tree.leaves(drained)} == {by_rows}
+    for got, model in zip(jax.tree.leaves(drained), jax.tree.leaves(like), strict=True):
+        assert (got.shape, got.dtype, got.sharding) == (model.shape, model.dtype, model.sharding)
+        np.testing.assert_array_equal(np.asarray(got), np.zeros(model.shape, model.dtype))
+        # Its own buffers, not the state's placeholders: a caller may donate them.
+        assert {s.data.unsafe_buffer_pointer() for s in got.addressable_shards}.isdisjoint(
+            s.data.unsafe_buffer_pointer() for s in model.addressable_shards
+        )
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The `sparseflow` command line: make-data, stats, and one-line user errors."""
 
 import ast
+import gc
 import importlib
 import json
 import subprocess
@@ -401,3 +402,48 @@ def test_no_command_module_imports_another():
             elif isinstance(node, ast.Import):
                 imported |= {a.name for a in node.names}
         assert not imported & (commands - {module}), f"{module} imports a command module"
+
+
+_RECORD_FREEZES = """
+import gc, json, sys
+from sparseflow import _cli, _process
+
+freezes = []
+freeze = _process.freeze_live_objects
+
+
+def recorded():
+    freeze()
+    freezes.append({"frozen": gc.get_freeze_count(), "command imported": COMMAND in sys.modules})
+
+
+_process.freeze_live_objects = recorded
+sys.argv = ["sparseflow", *ARGV]
+status = _cli.script()
+print(json.dumps({"status": status, "freezes": freezes}))
+"""
+
+
+def test_the_script_freezes_the_imported_objects_and_again_before_its_exit(tmp_path):
+    argv = ["make-data", "--config", str(_config(tmp_path)), "--out", str(tmp_path / "out")]
+    argv += ["--examples", "20", "--shards", "1", "--formats", "arrayrecord"]
+    code = _RECORD_FREEZES.replace("COMMAND", repr("sparseflow._make_data_command"))
+    code = code.replace("ARGV", repr(argv))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["status"] == 0
+    assert (tmp_path / "out" / "dataset.json").is_file()
+    first, last = result["freezes"]
+    # The command's module and its imports (numpy, jax, grain: far more than 10^4
+    # objects) are frozen before it runs; what the run made, before the exit.
+    assert first["command imported"] and first["frozen"] > 10_000
+    assert last["frozen"] > first["frozen"]
+
+
+def test_main_inside_a_users_process_freezes_nothing(tmp_path):
+    before = gc.get_freeze_count()
+    argv = ["make-data", "--config", str(_config(tmp_path)), "--out", str(tmp_path / "out")]
+    assert _cli.main([*argv, "--examples", "20", "--shards", "1", "--formats", "arrayrecord"]) == 0
+    assert gc.get_freeze_count() == before
