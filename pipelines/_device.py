@@ -293,6 +293,9 @@ class DeviceIterator(Iterator[DeviceBatch]):
         if self._thread is None:
             return
         self._stop.set()
+        # A thread that waits to put a batch into the full buffer puts it now
+        # and sees the stop, instead of at its next poll (`_PUT_POLL_S`).
+        self._empty_buffer()
         if wait:
             self._thread.join(self._timeout_s)
             if self._thread.is_alive():
@@ -303,5 +306,8 @@ class DeviceIterator(Iterator[DeviceBatch]):
                 self._ended = _End(error)
                 raise error
         self._thread = None
+        self._empty_buffer()
+
+    def _empty_buffer(self) -> None:
         while not self._buffer.empty():
             self._buffer.get_nowait()

@@ -6,6 +6,7 @@ and preprocessed directly.
 """
 
 import logging
+import threading
 
 import grain
 import jax
@@ -252,6 +253,30 @@ def test_device_batches_are_global_arrays_sharded_over_the_mesh_and_resume_exact
     with device_iterator() as resumed:
         resumed.set_state(state)
         cases.assert_batches_equal([cases.flat(b) for b in resumed], host_batches[2:])
+
+
+def test_closing_stops_a_prefetch_thread_that_waits_on_the_full_buffer(dataset, monkeypatch):
+    # The thread polls the full buffer for the stop every _PUT_POLL_S; with an
+    # hour between polls, a close that waited for the poll would outwait its
+    # 20 s timeout and raise InputTimeoutError.
+    monkeypatch.setattr(pipelines._device, "_PUT_POLL_S", 3600.0)
+    files, _ = dataset
+    mesh = jax.sharding.Mesh(jax.devices(), ("x",))
+    preprocess = cases.preprocess_config(BATCH, local_devices=8, global_devices=8, partitions=1)
+    host = make_grain_iterator(
+        files, batching=BatchingConfig(global_batch_size=BATCH), preprocess=preprocess
+    )
+    iterator = pipelines.DeviceIterator(host, mesh, buffer_size=1, timeout_s=20.0)
+    first = next(iterator)
+    for _ in range(2000):  # until the thread holds a batch it cannot put (bounded: 20 s)
+        if iterator._buffer.full() and iterator._thread.is_alive():
+            break
+        threading.Event().wait(0.01)
+    assert iterator._buffer.full()
+    thread = iterator._thread
+    iterator.close()
+    assert not thread.is_alive()
+    assert first.batch_number == 0
 
 
 def test_batch_plan_rows_fill_ins_and_tail_by_hand():
