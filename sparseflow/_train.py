@@ -9,6 +9,7 @@ flight at once deadlock.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -348,10 +349,24 @@ class _Run:
         self.pipelined = (
             config.training.pipelined if options.pipelined is None else options.pipelined
         )
-        specs = _feature_specs(config, options, mesh)
-        self.dense_model = _dense_model.dense_model(
-            config, mesh, model_class=options.model, loss=options.loss
-        )
+        if config.model.pipeshard is not None and not self.pipelined:
+            raise ValueError(
+                "model.pipeshard runs the dense tower inside SC/TC pipelined training; set "
+                "training.pipelined: true (or drop --no-pipelined). Without pipelining the "
+                "whole step is one compiled program, with the tower unpipelined."
+            )
+        key_tables, key_dense = jax.random.split(jax.random.key(config.seed))
+        # The FDO limits read the record files' indexes, and the first read
+        # starts numba's CPU target (Python work, most of the limits' time):
+        # beside the dense model's initialization, which compiles without the
+        # GIL (docs/benchmarks.md). Neither runs a collective.
+        with concurrent.futures.ThreadPoolExecutor(1, "sparseflow-limits") as beside:
+            limited_specs = beside.submit(_feature_specs, config, options, mesh)
+            self.dense_model = _dense_model.dense_model(
+                config, mesh, model_class=options.model, loss=options.loss
+            )
+            self.state = dense_state(config, self.dense_model, key_dense, mesh)
+            specs = limited_specs.result()
         if not self.dense_model.per_example_logits:
             _log.info(
                 "The model's outputs are not per-example logits: no AUC is reported "
@@ -369,17 +384,9 @@ class _Run:
                 options.metrics, outputs, config.global_batch_size
             )
         self.use_specs(specs)
-        if config.model.pipeshard is not None and not self.pipelined:
-            raise ValueError(
-                "model.pipeshard runs the dense tower inside SC/TC pipelined training; set "
-                "training.pipelined: true (or drop --no-pipelined). Without pipelining the "
-                "whole step is one compiled program, with the tower unpipelined."
-            )
-        key_tables, key_dense = jax.random.split(jax.random.key(config.seed))
         self.tables = embedding.init_embedding_variables(
             key_tables, self.specs, mesh, num_sc_per_device=config.mesh.partitions_per_device
         )
-        self.state = dense_state(config, self.dense_model, key_dense, mesh)
         self.pipeline_state = None
         self.segment = _Segment()
         self.next_call: int | None = None  # in the loop: the call its next batch is for
