@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -27,6 +28,13 @@ from sparseflow._tower_config import PipeshardConfig
 # XLA's options for a program that runs once at a run's start: its compilation,
 # not its run, is what the start waits for (docs/benchmarks.md).
 _RUN_ONCE = {"xla_backend_optimization_level": 0}
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class TrainState(NamedTuple):
@@ -201,7 +209,23 @@ class Stages:
             tables, _ = self.sc_bwd(sparse_inputs, grads, tables, tc_aux)
             return state_out, tables, output
 
-        return jax.jit(step, donate_argnums=(0, 1))
+        return jax.jit(step, donate_argnums=(0, 1), compiler_options=self.step_compiler_options)
+
+    @functools.cached_property
+    def step_compiler_options(self) -> dict[str, Any] | None:
+        """XLA's options for the training step's program on `mesh`.
+
+        Where this process's CPU devices outnumber the cores it may run on,
+        XLA runs every device's program at once, and a scheduler that orders
+        each program for independent operations side by side
+        (`xla_cpu_enable_concurrency_optimized_scheduler`) only adds work
+        that waits for a core: off there, on by XLA's default elsewhere
+        (docs/benchmarks.md).
+        """
+        local = self.mesh.local_devices
+        if local[0].platform != "cpu" or len(local) <= _usable_cores():
+            return None
+        return {"xla_cpu_enable_concurrency_optimized_scheduler": False}
 
     @functools.cached_property
     def eval_logits(self):

@@ -792,7 +792,12 @@ def _pipelined_step(stages: Stages):
     """The pipelined step as `step(pipeline_input, state, tables, pipeline_state, *,
     valid)` (`valid`: `parallel.is_output_valid` of the call)."""
     if stages.pipeshard is None:
-        step = parallel.jit_step(stages.sc_fwd, stages.tc, stages.sc_bwd)
+        step = parallel.jit_step(
+            stages.sc_fwd,
+            stages.tc,
+            stages.sc_bwd,
+            compiler_options=stages.step_compiler_options,
+        )
 
         # One program for every call: the filling and draining calls run the TC
         # stage and discard it (`gradient_multiplier` 0, results equal). A

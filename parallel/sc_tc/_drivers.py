@@ -25,6 +25,7 @@ def jit_step(
     sc_bwd_function: ScBwdStageFun,
     *,
     donate: bool = True,
+    compiler_options: dict[str, Any] | None = None,
 ) -> Callable[..., tuple[Any, Any, Any, Any, AnyPipelineState]]:
     """`step` compiled for the given stages, without copying what it passes on.
 
@@ -53,6 +54,7 @@ def jit_step(
         consumed part of the pipeline state (the caller must use the
         returned ones). The batch's inputs are never donated: they move on
         by reference, so a batch may be passed again.
+      compiler_options: XLA's options for the step's program (`jax.jit`'s).
 
     Returns:
       `run(pipeline_input, tc_train_state, embedding_variables,
@@ -64,6 +66,7 @@ def jit_step(
         _bound((sc_fwd_function, tc_function, sc_bwd_function)),
         static_argnames=("fake_tc_step",),
         donate_argnames=("tc_train_state", "embedding_variables", "consumed") if donate else (),
+        compiler_options=compiler_options,
     )
     return _runner(compute)
 

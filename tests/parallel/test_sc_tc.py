@@ -700,6 +700,14 @@ def one_batch():
     return batches[0], train_state, table, state
 
 
+def test_jit_step_compiles_with_the_xla_options_given(one_batch):
+    run = parallel.jit_step(
+        lookup, dense_train, sgd_update, donate=False, compiler_options={"xla_no_such_option": 1}
+    )
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        run(*one_batch, fake_tc_step=False)
+
+
 def test_traced_fake_tc_step_asks_for_a_static_flag(one_batch):
     not_static = jax.jit(step, static_argnames=STATIC[:3])
     with pytest.raises(TypeError, match="fake_tc_step must be a Python bool.*static_argnames"):

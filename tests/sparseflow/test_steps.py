@@ -1,8 +1,11 @@
-"""The training stages' stacking of per-feature activations and gradients."""
+"""The training stages: stacking of per-feature activations and gradients, and the step's
+XLA options."""
 
 from types import SimpleNamespace
 
+import jax
 import numpy as np
+import pytest
 
 from sparseflow import _steps
 
@@ -31,3 +34,20 @@ def test_stack_puts_features_side_by_side_in_name_order_and_unstack_inverts_it()
     assert sorted(back) == sorted(dims)
     for name, value in per_feature.items():
         np.testing.assert_array_equal(np.asarray(back[name]), value)
+
+
+def _mesh_stages(devices) -> _steps.Stages:
+    mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+    return _steps.Stages({}, mesh=mesh, optimizer=None, enable_minibatching=False)
+
+
+@pytest.mark.parametrize(
+    "cores, devices, scheduler_off", [(2, 8, True), (8, 8, False), (2, 1, False)]
+)
+def test_the_concurrency_scheduler_is_off_where_the_devices_outnumber_the_cores(
+    monkeypatch, cores, devices, scheduler_off
+):
+    monkeypatch.setattr(_steps, "_usable_cores", lambda: cores)
+    options = _mesh_stages(jax.devices()[:devices]).step_compiler_options
+    expected = {"xla_cpu_enable_concurrency_optimized_scheduler": False} if scheduler_off else None
+    assert options == expected
