@@ -17,12 +17,12 @@ by side. n batches take n + 2 calls:
 so batch i is looked up in the tables updated with batches 0..i-2 (one
 update fewer than in sequential training), and the TC output of batch
 `t - 1` comes out of call `t` for `1 <= t <= n` (`is_output_valid`). Calls
-n and n+1 take dummy inputs (`get_draining_input`: zeros like a real batch). At calls 0 and
-1 the SC backward stage gets the all-zero placeholder sparse inputs and zero
-gradients from `get_initial_state`; it must leave the tables unchanged for
-them (plain SGD and Adagrad do; an optimizer that moves rows on zero
-gradients can read a validity flag its TC stage puts in `tc_aux`, which is
-zero in the placeholder). A value the SC backward stage needs about its
+n and n+1 take dummy inputs (`get_draining_input`: zeros like a real
+batch). At calls 0 and 1 the SC backward stage gets the all-zero placeholder
+sparse inputs and zero gradients from `get_initial_state`; it must leave the
+tables unchanged for them (plain SGD and Adagrad do; an optimizer that
+moves rows on zero gradients can read a validity flag its TC stage puts in
+`tc_aux`, which is zero in the placeholder). A value the SC backward stage needs about its
 batch, such as the training step for `embedding.apply_gradients`' learning
 rate, travels in the batch's sparse inputs or through `sc_fwd_aux` and
 `tc_aux`.
