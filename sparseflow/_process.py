@@ -12,8 +12,8 @@ def freeze_live_objects() -> None:
     JAX, Grain, NumPy and the rest, some 180,000 objects that live as long
     as the process; a training run's setup (tracing, compiling) then
     triggers full collections that walked them all, and the interpreter's
-    exit walks everything left again (0.4-0.5 s at the end of a short
-    `sparseflow train`; measures in docs/benchmarks.md). Frozen, they are
+    exit walks everything left again (measures in docs/benchmarks.md).
+    Frozen, they are
     not collected until `gc.unfreeze` (which the training loop's end calls,
     `_train._setup_objects_frozen`): garbage among them stays till then.
 
