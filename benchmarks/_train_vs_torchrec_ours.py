@@ -24,6 +24,10 @@ import time
 
 STARTED = time.perf_counter()  # before jax is imported
 
+import gc  # noqa: E402
+
+gc.disable()  # as the `sparseflow` script does before its imports (`sparseflow._script`)
+
 import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -58,6 +62,7 @@ def main() -> None:
     parser.add_argument("--compilation-cache", action="store_true")
     args = parser.parse_args()
     _process.freeze_live_objects()  # as `sparseflow train` does once it is imported
+    gc.enable()
     cache = None  # the cache's folder while it is on
     if args.compilation_cache:
         cache = _compilation_cache.enable()

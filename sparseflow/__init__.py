@@ -2,40 +2,47 @@
 
 The library lives in `embedding`, `parallel`, `pipelines` and `beam_jobs`;
 this package only wires them together for a run described by a YAML config.
+
+A public name's module is imported the first time the name is used, so that
+`import sparseflow` stays cheap and the `sparseflow` script (in this
+package) starts before JAX and the rest are imported (`sparseflow._script`).
 """
 
-# First: it sets the logging environment before the imports below load TensorFlow and Beam.
-from sparseflow import _quiet_imports  # noqa: F401
-from sparseflow._errors import SparseflowError, UsageError
-from sparseflow._predict import Predictions, PredictOptions, predict
-from sparseflow._shipped_configs import shipped_config, shipped_config_names
-from sparseflow._train import TrainResult
-from sparseflow._trainer import Trainer
-from sparseflow._version import __version__
-from sparseflow.config import (
-    ConfigError,
-    DatasetConfig,
-    MeshConfig,
-    PreprocessingConfig,
-    RunConfig,
-    load_config,
-)
+import importlib
 
-__all__ = [
-    "ConfigError",
-    "DatasetConfig",
-    "MeshConfig",
-    "PredictOptions",
-    "Predictions",
-    "PreprocessingConfig",
-    "RunConfig",
-    "SparseflowError",
-    "TrainResult",
-    "Trainer",
-    "UsageError",
-    "__version__",
-    "load_config",
-    "predict",
-    "shipped_config",
-    "shipped_config_names",
-]
+# First: it sets the logging environment before anything here loads TensorFlow and Beam.
+from sparseflow import _quiet_imports  # noqa: F401
+from sparseflow._version import __version__ as __version__
+
+# Each public name and the module that defines it.
+_MODULES = {
+    "ConfigError": "sparseflow.config",
+    "DatasetConfig": "sparseflow.config",
+    "MeshConfig": "sparseflow.config",
+    "PredictOptions": "sparseflow._predict",
+    "Predictions": "sparseflow._predict",
+    "PreprocessingConfig": "sparseflow.config",
+    "RunConfig": "sparseflow.config",
+    "SparseflowError": "sparseflow._errors",
+    "TrainResult": "sparseflow._train",
+    "Trainer": "sparseflow._trainer",
+    "UsageError": "sparseflow._errors",
+    "load_config": "sparseflow.config",
+    "predict": "sparseflow._predict",
+    "shipped_config": "sparseflow._shipped_configs",
+    "shipped_config_names": "sparseflow._shipped_configs",
+}
+
+__all__ = sorted([*_MODULES, "__version__"])
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'sparseflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULES[name]), name)
+    globals()[name] = value  # the next use is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULES})

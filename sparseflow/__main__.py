@@ -2,6 +2,6 @@
 
 import sys
 
-from sparseflow._cli import script
+from sparseflow._script import script
 
 sys.exit(script())

@@ -37,6 +37,7 @@ status 1, or, with `--verbose`, raises with its traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -157,22 +158,19 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def script() -> int:
-    """The `sparseflow` script and `python -m sparseflow`: `main` of this process's own
-    command line. Unlike a call of `main` inside a user's program, it owns the process, whose
-    objects it takes out of the garbage collector's scans once the command's modules are in
-    and again before the process exits (`_process.freeze_live_objects`)."""
-    status = main(owns_process=True)
-    _process.freeze_live_objects()
-    return status
-
-
 def main(argv: Sequence[str] | None = None, *, owns_process: bool = False) -> int:
-    """Runs the command line; returns the exit status (2 on a user error, 1 on a bug)."""
+    """Runs the command line; returns the exit status (2 on a user error, 1 on a bug).
+
+    `owns_process`: called by the `sparseflow` script (`sparseflow._script`),
+    which paused the garbage collector before importing anything: once the
+    command's modules are imported, the objects alive are taken out of the
+    collector's scans and the collector runs again.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser(argv).parse_args(argv)
     if owns_process:
         _process.freeze_live_objects()
+        gc.enable()
     args.argv = argv
     _logging.configure(verbose=args.verbose)
     try:

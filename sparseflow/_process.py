@@ -17,8 +17,9 @@ def freeze_live_objects() -> None:
     not collected until `gc.unfreeze` (which the training loop's end calls,
     `_train._setup_objects_frozen`): garbage among them stays till then.
 
-    The command line calls it twice per process, once the chosen command is
-    imported and once it has returned (before the exit, whose collections
+    The `sparseflow` script (`sparseflow._script`) calls it twice per
+    process, once the chosen command is imported (with the collector paused
+    until then) and once it has returned (before the exit, whose collections
     then have nothing to walk: files and logs are closed by their `with`
     blocks and atexit handlers, which still run); never the library's
     functions, which run inside a user's process, whose garbage is not

@@ -406,7 +406,11 @@ def test_no_command_module_imports_another():
 
 _RECORD_FREEZES = """
 import gc, json, sys
-from sparseflow import _cli, _process
+
+collections = []
+gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
+
+from sparseflow import _process, _script
 
 freezes = []
 freeze = _process.freeze_live_objects
@@ -414,13 +418,17 @@ freeze = _process.freeze_live_objects
 
 def recorded():
     freeze()
-    freezes.append({"frozen": gc.get_freeze_count(), "command imported": COMMAND in sys.modules})
+    freezes.append({
+        "frozen": gc.get_freeze_count(),
+        "command imported": COMMAND in sys.modules,
+        "collections before": list(collections),
+    })
 
 
 _process.freeze_live_objects = recorded
 sys.argv = ["sparseflow", *ARGV]
-status = _cli.script()
-print(json.dumps({"status": status, "freezes": freezes}))
+status = _script.script()
+print(json.dumps({"status": status, "freezes": freezes, "collector on": gc.isenabled()}))
 """
 
 
@@ -439,7 +447,28 @@ def test_the_script_freezes_the_imported_objects_and_again_before_its_exit(tmp_p
     # The command's module and its imports (numpy, jax, grain: far more than 10^4
     # objects) are frozen before it runs; what the run made, before the exit.
     assert first["command imported"] and first["frozen"] > 10_000
+    # Before the script runs, importing the package's face and the script may set off
+    # a young collection or two; the imports (some 50 collections, three of them
+    # full) none.
+    assert 2 not in first["collections before"] and len(first["collections before"]) < 5
     assert last["frozen"] > first["frozen"]
+    assert result["collector on"]
+
+
+def test_importing_the_package_imports_none_of_its_modules_until_a_name_is_used():
+    """The script's entry point is in the package: what `import sparseflow` imports
+    runs before the script can pause the collector."""
+    code = (
+        "import sys, sparseflow\n"
+        "heavy = ('jax', 'numpy', 'grain', 'sparseflow._train', 'sparseflow.config')\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+        "sparseflow.Trainer\n"
+        "print('sparseflow._train' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.split() == ["[]", "True"]
 
 
 def test_main_inside_a_users_process_freezes_nothing(tmp_path):
