@@ -810,7 +810,12 @@ def _pipelined_step(stages: Stages):
 
         return one_program
     # The host runs the TC stage only where it is real (no multiplier there).
-    step = parallel.host_driven_step(stages.sc_fwd, stages.pipeshard_tc, stages.sc_bwd)
+    step = parallel.host_driven_step(
+        stages.sc_fwd,
+        stages.pipeshard_tc,
+        stages.sc_bwd,
+        compiler_options=stages.step_compiler_options,
+    )
 
     def tc_where_valid(*arguments, valid: bool):
         return step(*arguments, fake_tc_step=not valid)

@@ -127,6 +127,8 @@ def host_driven_step(
     sc_fwd_function: ScFwdStageFun,
     tc_function: TcStageFun,
     sc_bwd_function: ScBwdStageFun,
+    *,
+    compiler_options: dict[str, Any] | None = None,
 ) -> Callable[..., tuple[Any, Any, Any, Any, AnyPipelineState]]:
     """`step` for a TC stage driven from the host, e.g. a pipeshard pipeline.
 
@@ -141,6 +143,8 @@ def host_driven_step(
       sc_fwd_function: the SC forward stage.
       tc_function: the TC stage, called eagerly.
       sc_bwd_function: the SC backward stage.
+      compiler_options: XLA's options for the sparse stages' program
+        (`jax.jit`'s); the TC stage compiles its own programs.
 
     Returns:
       `run(pipeline_input, tc_train_state, embedding_variables,
@@ -151,6 +155,7 @@ def host_driven_step(
     sparse = jax.jit(
         _bound((sc_fwd_function, tc_function, sc_bwd_function)),
         static_argnames=("fake_tc_step",),
+        compiler_options=compiler_options,
     )
 
     def compute(pipeline_input, tc_train_state, embedding_variables, consumed, kept, *,

@@ -700,10 +700,13 @@ def one_batch():
     return batches[0], train_state, table, state
 
 
-def test_jit_step_compiles_with_the_xla_options_given(one_batch):
-    run = parallel.jit_step(
-        lookup, dense_train, sgd_update, donate=False, compiler_options={"xla_no_such_option": 1}
-    )
+@pytest.mark.parametrize(
+    "driver",
+    [functools.partial(parallel.jit_step, donate=False), parallel.host_driven_step],
+    ids=["jit_step", "host_driven_step"],
+)
+def test_the_drivers_compile_with_the_xla_options_given(one_batch, driver):
+    run = driver(lookup, dense_train, sgd_update, compiler_options={"xla_no_such_option": 1})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
         run(*one_batch, fake_tc_step=False)
 

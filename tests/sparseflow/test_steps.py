@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from sparseflow import _steps
+import parallel
+from sparseflow import _steps, _train
 
 
 def _stages(dims: dict[str, int]) -> _steps.Stages:
@@ -51,3 +52,22 @@ def test_the_concurrency_scheduler_is_off_where_the_devices_outnumber_the_cores(
     options = _mesh_stages(jax.devices()[:devices]).step_compiler_options
     expected = {"xla_cpu_enable_concurrency_optimized_scheduler": False} if scheduler_off else None
     assert options == expected
+
+
+@pytest.mark.parametrize(
+    ("pipeshard", "driver"), [(None, "jit_step"), ("a pipeline", "host_driven_step")]
+)
+def test_the_pipelined_step_is_compiled_with_the_stages_options(monkeypatch, pipeshard, driver):
+    """Pipeshard's host-driven step too: its sparse program runs on every device."""
+    given = {}
+    monkeypatch.setattr(parallel, driver, lambda *stage_functions, **options: given.update(options))
+    stages = SimpleNamespace(
+        pipeshard=pipeshard,
+        sc_fwd="sc_fwd",
+        tc="tc",
+        pipeshard_tc="pipeshard_tc",
+        sc_bwd="sc_bwd",
+        step_compiler_options={"an_option": False},
+    )
+    _train._pipelined_step(stages)
+    assert given == {"compiler_options": {"an_option": False}}
