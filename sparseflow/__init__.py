@@ -8,7 +8,7 @@ A public name's module is imported the first time the name is used, so that
 package) starts before JAX and the rest are imported (`sparseflow._script`).
 """
 
-import importlib
+from importlib import import_module as _import_module
 
 # First: it sets the logging environment before anything here loads TensorFlow and Beam.
 from sparseflow import _quiet_imports  # noqa: F401
@@ -39,7 +39,7 @@ __all__ = sorted([*_MODULES, "__version__"])
 def __getattr__(name: str):
     if name not in _MODULES:
         raise AttributeError(f"module 'sparseflow' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULES[name]), name)
+    value = getattr(_import_module(_MODULES[name]), name)
     globals()[name] = value  # the next use is a plain lookup
     return value
 
