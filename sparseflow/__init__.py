@@ -9,12 +9,31 @@ package) starts before JAX and the rest are imported (`sparseflow._script`).
 """
 
 from importlib import import_module as _import_module
+from typing import TYPE_CHECKING
 
 # First: it sets the logging environment before anything here loads TensorFlow and Beam.
 from sparseflow import _quiet_imports  # noqa: F401
 from sparseflow._version import __version__ as __version__
 
-# Each public name and the module that defines it.
+if TYPE_CHECKING:  # what editors and type checkers read: the names of `_MODULES`, from its modules
+    from sparseflow._errors import SparseflowError as SparseflowError
+    from sparseflow._errors import UsageError as UsageError
+    from sparseflow._predict import Predictions as Predictions
+    from sparseflow._predict import PredictOptions as PredictOptions
+    from sparseflow._predict import predict as predict
+    from sparseflow._shipped_configs import shipped_config as shipped_config
+    from sparseflow._shipped_configs import shipped_config_names as shipped_config_names
+    from sparseflow._train import TrainResult as TrainResult
+    from sparseflow._trainer import Trainer as Trainer
+    from sparseflow.config import ConfigError as ConfigError
+    from sparseflow.config import DatasetConfig as DatasetConfig
+    from sparseflow.config import MeshConfig as MeshConfig
+    from sparseflow.config import PreprocessingConfig as PreprocessingConfig
+    from sparseflow.config import RunConfig as RunConfig
+    from sparseflow.config import load_config as load_config
+
+# Each public name and the module that defines it (tests/test_public_api.py keeps the
+# imports above alike).
 _MODULES = {
     "ConfigError": "sparseflow.config",
     "DatasetConfig": "sparseflow.config",

@@ -1,7 +1,9 @@
 """Every package's `__all__` names exist and import."""
 
+import ast
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,17 @@ def test_every_public_name_imports(package):
     namespace = {}
     exec(f"from {package} import *", namespace)  # noqa: S102 - the star import itself
     assert set(public) <= set(namespace)
+
+
+def test_the_names_static_tools_read_from_sparseflow_are_the_names_it_imports_lazily():
+    """`sparseflow` imports a public name's module when the name is first used
+    (`_MODULES`); editors and type checkers read its `if TYPE_CHECKING:` imports."""
+    sparseflow = importlib.import_module("sparseflow")
+    tree = ast.parse(Path(sparseflow.__file__).read_text())
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    static = {alias.name: node.module for node in block.body for alias in node.names}
+    assert static == sparseflow._MODULES
