@@ -448,8 +448,8 @@ def test_the_script_freezes_the_imported_objects_and_again_before_its_exit(tmp_p
     # objects) are frozen before it runs; what the run made, before the exit.
     assert first["command imported"] and first["frozen"] > 10_000
     # Before the script runs, importing the package's face and the script may set off
-    # a young collection or two; the imports (some 50 collections, three of them
-    # full) none.
+    # a young collection or two; the command's imports (with the collector on, some
+    # 400 collections, three of them full) none.
     assert 2 not in first["collections before"] and len(first["collections before"]) < 5
     assert last["frozen"] > first["frozen"]
     assert result["collector on"]
