@@ -13,9 +13,9 @@ def freeze_live_objects() -> None:
     as the process; a training run's setup (tracing, compiling) then
     triggers full collections that walked them all, and the interpreter's
     exit walks everything left again (measures in docs/benchmarks.md).
-    Frozen, they are
-    not collected until `gc.unfreeze` (which the training loop's end calls,
-    `_train._setup_objects_frozen`): garbage among them stays till then.
+    Frozen, they are not collected until `gc.unfreeze` (which the training
+    loop's end calls, `_train._setup_objects_frozen`): garbage among them
+    stays till then.
 
     The `sparseflow` script (`sparseflow._script`) calls it twice per
     process, once the chosen command is imported (with the collector paused

@@ -22,10 +22,10 @@ batch). At calls 0 and 1 the SC backward stage gets the all-zero placeholder
 sparse inputs and zero gradients from `get_initial_state`; it must leave the
 tables unchanged for them (plain SGD and Adagrad do; an optimizer that
 moves rows on zero gradients can read a validity flag its TC stage puts in
-`tc_aux`, which is zero in the placeholder). A value the SC backward stage needs about its
-batch, such as the training step for `embedding.apply_gradients`' learning
-rate, travels in the batch's sparse inputs or through `sc_fwd_aux` and
-`tc_aux`.
+`tc_aux`, which is zero in the placeholder). A value the SC backward stage
+needs about its batch, such as the training step for
+`embedding.apply_gradients`' learning rate, travels in the batch's sparse
+inputs or through `sc_fwd_aux` and `tc_aux`.
 
 A training loop (`jit_step` compiles `step` for the stages and hands on the
 state's pass-through leaves outside the program, see its docstring):
