@@ -79,6 +79,12 @@ class NnxModel:
       layer_path: where the layer sits in the model (`embed_layers`).
       per_example_logits: the model's outputs are logits `float[batch]`, which
         the trainer's AUC scores; False for other outputs (no AUC).
+      mean_over_examples: the loss is the mean over the batch of one term per
+        example, of outputs that depend on that example alone: the loss and
+        gradients of a batch are then the mean of those of its equal parts,
+        which the dense stage computes one part per device
+        (`sparseflow._steps.Stages`). True of the shipped towers with the
+        default loss; a batch statistic or an in-batch softmax breaks it.
     """
 
     name: str
@@ -88,6 +94,7 @@ class NnxModel:
     layer_path: str
     loss: Any
     per_example_logits: bool = True
+    mean_over_examples: bool = False
 
     @classmethod
     def create(

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh, PartitionSpec
 
 import embedding
 import parallel
@@ -148,6 +149,8 @@ class Stages:
         the `sc_fwd_aux` of the same batch, for its embedding update.
         """
         grad_fn = jax.value_and_grad(self._loss, argnums=(0, 2), has_aux=True)
+        if self.mesh.size > 1 and self.dense_model.mean_over_examples:
+            grad_fn = _mean_of_device_parts(grad_fn, self.mesh)
         (loss, logits), (param_grads, activation_grads) = grad_fn(
             state.params, dense_inputs.dense, activations, dense_inputs.labels
         )
@@ -330,6 +333,43 @@ class PipeshardTc:
             TrainState(*new_state),
             (step, sc_fwd_aux),
         )
+
+
+def _mean_of_device_parts(value_and_grad, mesh: Mesh):
+    """`value_and_grad(params, dense, activations, labels)` of a loss that is a
+    mean over examples (`NnxModel.mean_over_examples`), computed on each
+    device's equal part of the batch and averaged: `((loss, outputs),
+    (param_grads, activation_grads))` as of the whole batch.
+
+    The loss and the parameters' gradients are summed in one all-reduce of
+    one flat array. Partitioned by XLA instead, each gradient is summed in an
+    array of its own, and XLA:CPU runs one rendezvous of every device per
+    array of an all-reduce (11 for the Criteo DLRM): where devices share the
+    cores, each one costs a wait and a wake-up per device (docs/benchmarks.md).
+    """
+    axis = mesh.axis_names[0]
+    sharded, replicated = PartitionSpec(axis), PartitionSpec()
+    parts = mesh.size
+
+    def on_device(params, dense, activations, labels):
+        (loss, outputs), (param_grads, activation_grads) = value_and_grad(
+            params, dense, activations, labels
+        )
+        flat, unravel = ravel_pytree((loss, param_grads))
+        loss, param_grads = unravel(jax.lax.psum(flat, axis) / parts)
+        # An example's term weighs 1/parts as much in the batch's mean as in its part's.
+        activation_grads = jax.tree.map(lambda g: g / parts, activation_grads)
+        return (loss, outputs), (param_grads, activation_grads)
+
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(replicated, sharded, sharded, sharded),
+        out_specs=((replicated, sharded), (replicated, sharded)),
+        # Unchecked, a replicated parameter's gradient is this device's part, for
+        # the one psum to sum; checked, JAX's transpose would sum each itself.
+        check_vma=False,
+    )
 
 
 def initial_train_state(

@@ -1,14 +1,19 @@
-"""The training stages: stacking of per-feature activations and gradients, and the step's
-XLA options."""
+"""The training stages: stacking of per-feature activations and gradients, the step's
+XLA options, and the dense step computed per device."""
 
+import re
 from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
+import yaml
+from jax.sharding import NamedSharding, PartitionSpec
+from train_cases import small_demo_config
 
+import embedding
 import parallel
-from sparseflow import _steps, _train
+from sparseflow import _dense_model, _steps, _train, load_config
 
 
 def _stages(dims: dict[str, int]) -> _steps.Stages:
@@ -71,3 +76,68 @@ def test_the_pipelined_step_is_compiled_with_the_stages_options(monkeypatch, pip
     )
     _train._pipelined_step(stages)
     assert given == {"compiler_options": {"an_option": False}}
+
+
+def _demo(tmp_path, model: dict | None = None):
+    """The demo config (8 devices) and its mesh, with `model` in place of its own."""
+    path = small_demo_config(tmp_path, {"log_every": 2})
+    if model is not None:
+        raw = yaml.safe_load(path.read_text())
+        raw["model"] = model
+        path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+    return config, _train.make_mesh(config.mesh.devices)
+
+
+@pytest.mark.parametrize(
+    ("model", "loss", "expected"),
+    [
+        (None, None, True),
+        ({"tower": {"type": "dcn_v2", "cross_layers": 2, "mlp": [8]}}, None, True),
+        (None, lambda logits, labels: (logits**2).sum(), False),
+        ({"module": "user_models:LinearModel"}, None, False),
+    ],
+)
+def test_only_the_shipped_towers_with_the_default_loss_are_means_over_examples(
+    tmp_path, model, loss, expected
+):
+    """A user's model may tie examples together (a batch statistic, an in-batch
+    softmax), and another loss need not be a mean: their dense step stays whole."""
+    config, mesh = _demo(tmp_path, model)
+    assert _dense_model.dense_model(config, mesh, loss=loss).mean_over_examples is expected
+
+
+def test_the_dense_step_per_device_is_the_whole_batchs_with_one_flat_all_reduce(tmp_path):
+    config, mesh = _demo(tmp_path)
+    model = _dense_model.dense_model(config, mesh)
+    stages = _steps.Stages({}, mesh, optimizer=None, enable_minibatching=False, dense_model=model)
+    batch = config.global_batch_size
+    rng = np.random.default_rng(0)
+    params = model.init(jax.random.key(1))
+    dense = rng.normal(size=(batch, config.layout.num_dense_features)).astype(np.float32)
+    activations = {
+        name: rng.normal(size=(batch, dim)).astype(np.float32)
+        for name, dim in embedding.feature_dims(config.feature_specs).items()
+    }
+    labels = rng.integers(0, 2, size=batch).astype(np.int32)
+    value_and_grad = jax.value_and_grad(stages._loss, argnums=(0, 2), has_aux=True)
+
+    # The reference: the whole batch on one device.
+    one = jax.devices()[0]
+    want = jax.jit(value_and_grad)(*jax.device_put((params, dense, activations, labels), one))
+
+    by_example = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    inputs = (
+        jax.device_put(params, NamedSharding(mesh, PartitionSpec())),
+        *jax.device_put((dense, activations, labels), by_example),
+    )
+    parts = jax.jit(_steps._mean_of_device_parts(value_and_grad, mesh))
+    got = parts(*inputs)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-7)
+
+    program = parts.lower(*inputs).compile().as_text()
+    all_reduces = re.findall(r"= (\S+) all-reduce\(", program)
+    sizes = 1 + sum(leaf.size for leaf in jax.tree.leaves(params))
+    assert all_reduces == [f"f32[{sizes}]{{0}}"]
