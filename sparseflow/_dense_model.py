@@ -14,7 +14,6 @@ trainer's AUC scores (a user's model with a loss of its own may return others).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,7 +23,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from sparseflow._errors import UsageError
-from sparseflow._model import sigmoid_cross_entropy
 from sparseflow.config._run_config import RunConfig
 
 
@@ -65,7 +63,7 @@ def dense_model(
     else:
         module = config.model.module if model_class is None else model_class
         args = config.model.args
-    model = nnx_model.NnxModel.create(
+    return nnx_model.NnxModel.create(
         module,
         args,
         config.feature_specs,
@@ -76,9 +74,6 @@ def dense_model(
         loss=loss,
         checked=not shipped,
     )
-    # The shipped towers compute each example's logit from that example alone.
-    mean_over_examples = shipped and model.loss is sigmoid_cross_entropy
-    return dataclasses.replace(model, mean_over_examples=mean_over_examples)
 
 
 def abstract_outputs(

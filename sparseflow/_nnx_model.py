@@ -83,8 +83,10 @@ class NnxModel:
         example, of outputs that depend on that example alone: the loss and
         gradients of a batch are then the mean of those of its equal parts,
         which the dense stage computes one part per device
-        (`sparseflow._steps.Stages`). True of the shipped towers with the
-        default loss; a batch statistic or an in-batch softmax breaks it.
+        (`sparseflow._steps.Stages`). The model class says so (a class
+        attribute `mean_over_examples = True`, as the shipped towers have) of
+        its own loss; a loss given in place of it leaves this False. A batch
+        statistic or an in-batch softmax breaks it.
     """
 
     name: str
@@ -168,9 +170,23 @@ class NnxModel:
                 "trainer carries the Embed layer's and nnx.Params only."
             )
         (layer_path,) = enx.embed_layers(abstract)
+        mean_over_examples = loss is None and getattr(model_class, "mean_over_examples", False)
+        if mean_over_examples is not True and mean_over_examples is not False:
+            raise UsageError(
+                f"model.module {module!r}: its mean_over_examples must be True or False, got "
+                f"{mean_over_examples!r}."
+            )
         if loss is None:
             loss = getattr(model_class, "loss", None) or sigmoid_cross_entropy
-        model = cls(module, build, graphdef, embedding_state, layer_path, loss)
+        model = cls(
+            module,
+            build,
+            graphdef,
+            embedding_state,
+            layer_path,
+            loss,
+            mean_over_examples=mean_over_examples,
+        )
         if not checked:
             return model
         outputs = abstract_outputs(

@@ -28,7 +28,12 @@ class Tower(nnx.Module):
       params: the dense parameters as `nnx.Param`s, in the pytree of
         `sparseflow._model.init_params` (e.g. `params["bottom"][i]["w"]`,
         `float32[fan_in, fan_out]`; see `dense_params`).
+      mean_over_examples: True: each example's logit depends on that example
+        alone, so with the mean sigmoid cross-entropy the trainer may compute
+        the dense step per device (`sparseflow.Trainer`'s models may say so too).
     """
+
+    mean_over_examples = True
 
     def __init__(
         self, embed: Embed, config: _model.ModelConfig, num_dense_features: int, rngs: nnx.Rngs

@@ -1,6 +1,7 @@
 """The training stages: stacking of per-feature activations and gradients, the step's
 XLA options, and the dense step computed per device."""
 
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -13,7 +14,8 @@ from train_cases import small_demo_config
 
 import embedding
 import parallel
-from sparseflow import _dense_model, _steps, _train, load_config
+from sparseflow import _dense_model, _model, _steps, _train, load_config
+from sparseflow._errors import UsageError
 
 
 def _stages(dims: dict[str, int]) -> _steps.Stages:
@@ -89,37 +91,55 @@ def _demo(tmp_path, model: dict | None = None):
     return config, _train.make_mesh(config.mesh.devices)
 
 
+def _not_a_mean(logits, labels):
+    return (logits**2).sum()
+
+
 @pytest.mark.parametrize(
     ("model", "loss", "expected"),
     [
         (None, None, True),
         ({"tower": {"type": "dcn_v2", "cross_layers": 2, "mlp": [8]}}, None, True),
-        (None, lambda logits, labels: (logits**2).sum(), False),
+        (None, _not_a_mean, False),
         ({"module": "user_models:LinearModel"}, None, False),
+        ({"module": "user_models:LinearMeanOverExamples"}, None, True),
+        ({"module": "user_models:LinearMeanOverExamples"}, _not_a_mean, False),
     ],
 )
-def test_only_the_shipped_towers_with_the_default_loss_are_means_over_examples(
+def test_a_model_is_a_mean_over_examples_where_its_class_says_so_of_its_own_loss(
     tmp_path, model, loss, expected
 ):
-    """A user's model may tie examples together (a batch statistic, an in-batch
-    softmax), and another loss need not be a mean: their dense step stays whole."""
+    """The shipped towers say so; a user's model may tie examples together (a
+    batch statistic, an in-batch softmax), and a loss given in place of the
+    class's need not be a mean."""
     config, mesh = _demo(tmp_path, model)
     assert _dense_model.dense_model(config, mesh, loss=loss).mean_over_examples is expected
 
 
-def test_the_dense_step_per_device_is_the_whole_batchs_with_one_flat_all_reduce(tmp_path):
-    config, mesh = _demo(tmp_path)
-    model = _dense_model.dense_model(config, mesh)
-    stages = _steps.Stages({}, mesh, optimizer=None, enable_minibatching=False, dense_model=model)
+def test_a_mean_over_examples_other_than_true_or_false_is_refused(tmp_path):
+    config, mesh = _demo(tmp_path, {"module": "user_models:MeanOverExamplesNotABool"})
+    with pytest.raises(UsageError, match=re.escape("its mean_over_examples must be True or False")):
+        _dense_model.dense_model(config, mesh)
+
+
+def _dense_batch(config, rng):
+    """`(dense, activations, labels)` of a global batch, drawn at random."""
     batch = config.global_batch_size
-    rng = np.random.default_rng(0)
-    params = model.init(jax.random.key(1))
     dense = rng.normal(size=(batch, config.layout.num_dense_features)).astype(np.float32)
     activations = {
         name: rng.normal(size=(batch, dim)).astype(np.float32)
         for name, dim in embedding.feature_dims(config.feature_specs).items()
     }
     labels = rng.integers(0, 2, size=batch).astype(np.int32)
+    return dense, activations, labels
+
+
+def test_the_dense_step_per_device_is_the_whole_batchs(tmp_path):
+    config, mesh = _demo(tmp_path)
+    model = _dense_model.dense_model(config, mesh)
+    stages = _steps.Stages({}, mesh, optimizer=None, enable_minibatching=False, dense_model=model)
+    params = model.init(jax.random.key(1))
+    dense, activations, labels = _dense_batch(config, np.random.default_rng(0))
     value_and_grad = jax.value_and_grad(stages._loss, argnums=(0, 2), has_aux=True)
 
     # The reference: the whole batch on one device.
@@ -127,17 +147,39 @@ def test_the_dense_step_per_device_is_the_whole_batchs_with_one_flat_all_reduce(
     want = jax.jit(value_and_grad)(*jax.device_put((params, dense, activations, labels), one))
 
     by_example = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
-    inputs = (
+    got = jax.jit(_steps._mean_of_device_parts(value_and_grad, mesh))(
         jax.device_put(params, NamedSharding(mesh, PartitionSpec())),
         *jax.device_put((dense, activations, labels), by_example),
     )
-    parts = jax.jit(_steps._mean_of_device_parts(value_and_grad, mesh))
-    got = parts(*inputs)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-7)
 
-    program = parts.lower(*inputs).compile().as_text()
-    all_reduces = re.findall(r"= (\S+) all-reduce\(", program)
-    sizes = 1 + sum(leaf.size for leaf in jax.tree.leaves(params))
-    assert all_reduces == [f"f32[{sizes}]{{0}}"]
+
+@pytest.mark.parametrize("mean_over_examples", [True, False])
+def test_the_dense_stage_sums_in_one_flat_all_reduce_where_the_model_is_a_mean_over_examples(
+    tmp_path, mean_over_examples
+):
+    """Otherwise XLA partitions it, and sums each gradient as an array of its own."""
+    config, mesh = _demo(tmp_path)
+    model = _dense_model.dense_model(config, mesh)
+    model = dataclasses.replace(model, mean_over_examples=mean_over_examples)
+    optimizer = _model.dense_optimizer(config.model)
+    specs = {
+        name: SimpleNamespace(table_spec=SimpleNamespace(embedding_dim=d))
+        for name, d in embedding.feature_dims(config.feature_specs).items()
+    }
+    stages = _steps.Stages(specs, mesh, optimizer, enable_minibatching=False, dense_model=model)
+    state = _steps.init_train_state(jax.random.key(1), model, optimizer, mesh)
+    dense, activations, labels = _dense_batch(config, np.random.default_rng(0))
+    by_example = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    inputs = jax.device_put(
+        (stages.stack(activations), _steps.DenseInputs(dense, labels)), by_example
+    )
+    program = jax.jit(stages.tc).lower(*inputs, state, None).compile().as_text()
+    all_reduces = re.findall(r"= (\S+|\(.*?\)) all-reduce\(", program)
+    params = 1 + sum(leaf.size for leaf in jax.tree.leaves(state.params))
+    if mean_over_examples:
+        assert all_reduces == [f"f32[{params}]{{0}}"]
+    else:
+        assert len(all_reduces) == 1 and all_reduces[0].count("f32[") > 2

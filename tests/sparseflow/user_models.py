@@ -39,6 +39,16 @@ class ColumnLogits(LinearModel):
         return super().__call__(sparse_batch, dense)[:, None]
 
 
+class LinearMeanOverExamples(LinearModel):
+    """Says that its loss (the default) is a mean over examples of their own logits."""
+
+    mean_over_examples = True
+
+
+class MeanOverExamplesNotABool(LinearModel):
+    mean_over_examples = "yes"
+
+
 class WithBatchStats(LinearModel):
     """Holds a `BatchStat`, which the trainer does not carry."""
 
