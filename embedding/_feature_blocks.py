@@ -1,24 +1,32 @@
 """Between a stack's slot-major samples and its features' activation arrays.
 
 A stack's lookup sums each slot's samples for all of its features in one
-array, `float32[S, P, D]`, the features one after another along P; callers
-get one `float32[S * n_f, dim_f]` array per feature, and the update takes
-their gradients back. When the features of a stack are alike (one width,
-the stack's, and one sample count per slot) the move is one transpose of
-the whole block, each feature then a column block of a
-`float32[S * n, F * D]` array: a caller that puts the features side by side
+array, `float32[S, P, D]`; callers get one `float32[S * n_f, dim_f]` array
+per feature, and the update takes their gradients back. The layout numbers
+a slot's samples feature after feature (sample `f * n + r` is example `r` of
+feature `f`). When the features of a stack are alike (one width, the
+stack's, and one sample count per slot) the lookup and the update place
+sample `f * n + r` at `r * F + f` instead (`pooled_positions`), example by
+example, so that the block is already a `float32[S * n, F * D]` array with
+each feature a column block: a caller that puts the features side by side
 again in that order (the trainer's stacked activations) gets that array
-back without a copy per feature, as XLA folds adjacent column slices into
-the array they were cut from, and a concatenation of such slices into it.
-Other stacks are cut and padded feature by feature.
+back without a copy, as XLA folds adjacent column slices into the array
+they were cut from, and a concatenation of such slices into it (numbered as
+the layout has them, the block took a transpose each way, 2 ms of a 15 ms
+step of the Criteo DLRM on one device: docs/benchmarks.md). Other stacks
+keep the layout's order and are cut and padded feature by feature.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
-from embedding._stack_geometry import StackGeometry
+if TYPE_CHECKING:
+    # Annotations only: the lookup's paths import this, and `_stack_geometry` them.
+    from embedding._stack_geometry import StackGeometry
 
 
 def _alike(g: StackGeometry) -> bool:
@@ -31,11 +39,27 @@ def _alike(g: StackGeometry) -> bool:
     )
 
 
+def pooled_positions(samples: jax.Array, g: StackGeometry) -> jax.Array:
+    """Where the lookup pools each sample and the update reads its gradient:
+    for alike features, sample `f * n + r` at `r * F + f`; others, and ids
+    outside `[0, F * n)` (padding), where they are.
+
+    Args:
+      samples: `int32[...]`, a device's sample ids of `g` in their slots.
+    """
+    if not _alike(g) or len(g.features) == 1:
+        return samples
+    count, n = len(g.features), g.features[0].samples_per_slot
+    in_features = (samples >= 0) & (samples < count * n)
+    return jnp.where(in_features, (samples % n) * count + samples // n, samples)
+
+
 def feature_activations(total: jax.Array, g: StackGeometry) -> tuple[jax.Array, ...]:
     """Per feature of `g`, in `g.features` order, `float32[S * n_f, dim_f]`.
 
     Args:
-      total: `float32[S, P, D]`, a device's pooled samples of the stack.
+      total: `float32[S, P, D]`, a device's pooled samples of the stack, at
+        their `pooled_positions`.
     """
     if not _alike(g):
         return tuple(
@@ -45,14 +69,13 @@ def feature_activations(total: jax.Array, g: StackGeometry) -> tuple[jax.Array, 
             for f in g.features
         )
     count, n, d = len(g.features), g.features[0].samples_per_slot, g.dim
-    side_by_side = (
-        total[:, : count * n].reshape(g.slots, count, n, d).transpose(0, 2, 1, 3)
-    ).reshape(g.slots * n, count * d)
+    side_by_side = total[:, : count * n].reshape(g.slots * n, count * d)
     return tuple(side_by_side[:, k * d : (k + 1) * d] for k in range(count))
 
 
 def sample_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Array:
-    """`float32[S, sum of n_f, D]`: the features' activation gradients, slot by slot.
+    """`float32[S, sum of n_f, D]`: the features' activation gradients, slot by
+    slot, at their samples' `pooled_positions`.
 
     Args:
       grads: per feature of `g`, in `g.features` order, `[S * n_f, dim_f]`.
@@ -68,5 +91,4 @@ def sample_gradients(grads: tuple[jax.Array, ...], g: StackGeometry) -> jax.Arra
         ]
         return jnp.concatenate(blocks, axis=1)
     count, n, d = len(g.features), g.features[0].samples_per_slot, g.dim
-    side_by_side = jnp.concatenate(grads, axis=1).reshape(g.slots, n, count, d)
-    return side_by_side.transpose(0, 2, 1, 3).reshape(g.slots, count * n, d)
+    return jnp.concatenate(grads, axis=1).reshape(g.slots, n * count, d)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 
 from embedding import _cpu_kernels
+from embedding._feature_blocks import pooled_positions
 from embedding._variables import EmbeddingVariables
 from embedding._xla_path import XLA_PATH
 
@@ -28,7 +29,8 @@ class KernelStackInput(NamedTuple):
     """One stack's layout on one device, for the kernels (the path's stack input).
 
     Attributes:
-      layout: this device's layout arrays, which the kernels read as they are.
+      layout: this device's layout arrays, which the kernels read as they
+        are, but for its sample ids, which are their `pooled_positions`.
       segment: `int32[S, C]` the entries' `minibatch * N + partition`, -1 for
         padding (for the `LayoutIndex`; the kernels route from the row pointers).
     """
@@ -65,7 +67,8 @@ class KernelPath:
     ) -> KernelStackInput:
         if segment is None:
             segment = _cpu_kernels.segments(layout.row_pointers, layout.embedding_ids, g)
-        return KernelStackInput(layout, segment)
+        positions = pooled_positions(layout.sample_ids, g)
+        return KernelStackInput(layout._replace(sample_ids=positions), segment)
 
     def plan_minibatch(
         self, stack: KernelStackInput, g: StackGeometry, minibatch: int | jax.Array

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from embedding._feature_blocks import pooled_positions
 from embedding._layout import ALIGNMENT
 from embedding._optimizer_updates import apply_optimizer
 from embedding._variables import EmbeddingVariables
@@ -37,7 +38,8 @@ class Entries(NamedTuple):
         padding.
       valid: `bool[S, C]` false for padding.
       ids: `int32[S, C]` local ids within the partition.
-      samples: `int32[S, C]` samples in the slot; `P` for padding.
+      samples: `int32[S, C]` samples' `pooled_positions` in the slot; `P`
+        for padding.
       gains: `float32[S, C]`; 0 for padding.
     """
 
@@ -135,7 +137,7 @@ def decode(layout: LayoutArrays, g: StackGeometry, segment: jax.Array | None = N
         segment=segment,
         valid=valid,
         ids=layout.embedding_ids.reshape(s, c),
-        samples=jnp.where(valid, layout.sample_ids.reshape(s, c), g.samples),
+        samples=jnp.where(valid, pooled_positions(layout.sample_ids.reshape(s, c), g), g.samples),
         gains=jnp.where(valid, layout.gains.reshape(s, c), 0.0),
     )
 

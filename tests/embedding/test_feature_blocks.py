@@ -4,7 +4,7 @@ against slicing each feature out in numpy, and back."""
 import numpy as np
 import pytest
 
-from embedding._feature_blocks import feature_activations, sample_gradients
+from embedding._feature_blocks import feature_activations, pooled_positions, sample_gradients
 from embedding._stack_geometry import FeatureSlice, StackGeometry
 
 
@@ -30,12 +30,37 @@ _CASES = {
 }
 
 
+def _pooled(by_sample: np.ndarray, g: StackGeometry) -> np.ndarray:
+    """`by_sample` (`[S, P, D]`, in the layout's sample order) as the lookup pools it."""
+    pooled = np.full_like(by_sample, np.nan)
+    pooled[:, np.asarray(pooled_positions(np.arange(g.samples), g))] = by_sample
+    return pooled
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_alike_features_are_pooled_example_by_example_and_others_in_layout_order(case):
+    slots, dim, features = _CASES[case]
+    g = _geometry(slots, dim, features)
+    samples = np.arange(g.samples)
+    positions = np.asarray(pooled_positions(samples, g))
+    if case == "alike":
+        # Sample f * n + r (example r of feature f) at r * F + f.
+        feature, example = np.divmod(samples, 5)
+        np.testing.assert_array_equal(positions, example * 3 + feature)
+    else:
+        np.testing.assert_array_equal(positions, samples)
+    # Padding's sample ids, outside [0, P), stay where they are.
+    np.testing.assert_array_equal(
+        np.asarray(pooled_positions(np.array([-1, g.samples]), g)), [-1, g.samples]
+    )
+
+
 @pytest.mark.parametrize("case", _CASES)
 def test_each_features_activations_are_its_samples_slot_by_slot(case):
     slots, dim, features = _CASES[case]
     g = _geometry(slots, dim, features)
     total = np.random.default_rng(0).normal(size=(slots, g.samples, dim)).astype(np.float32)
-    got = feature_activations(total, g)
+    got = feature_activations(_pooled(total, g), g)
     assert len(got) == len(features)
     for f, value in zip(g.features, got, strict=True):
         expected = total[:, f.sample_offset : f.sample_offset + f.samples_per_slot, : f.dim]
@@ -49,5 +74,6 @@ def test_the_gradients_go_back_to_the_samples_they_came_from(case):
     total = np.random.default_rng(1).normal(size=(slots, g.samples, dim)).astype(np.float32)
     for f in g.features:  # the padding of a narrower feature comes back as zeros
         total[:, f.sample_offset : f.sample_offset + f.samples_per_slot, f.dim :] = 0
-    back = sample_gradients(feature_activations(total, g), g)
-    np.testing.assert_array_equal(np.asarray(back), total)
+    pooled = _pooled(total, g)
+    back = sample_gradients(feature_activations(pooled, g), g)
+    np.testing.assert_array_equal(np.asarray(back), pooled)

@@ -175,3 +175,19 @@ def test_a_misshapen_per_row_slot_is_rejected():
     preprocessed = preprocess(make_batch(0), specs, 2, 2)
     with pytest.raises(ValueError, match=rf"slot 'accumulator' has shape .*expected \[{rows}\]"):
         embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
+
+
+@pytest.mark.parametrize("devices, slots", [(1, 2), (2, 2)])
+def test_alike_features_put_side_by_side_in_stack_order_are_the_pooled_block(devices, slots):
+    """Stack "a" pools its features a1 and a2 example by example
+    (`_feature_blocks.pooled_positions`): the two put side by side, as the
+    trainer stacks them, are the pooled block itself, with no transpose in
+    the program (the layout numbers the samples feature after feature)."""
+    specs, mesh, variables, _, preprocessed = _setup("sum", devices, slots)
+
+    def side_by_side(variables):
+        result = embedding.sparse_dense_matmul(preprocessed, variables, specs, mesh)
+        return jnp.concatenate([result["a1"], result["a2"]], axis=1)
+
+    program = jax.jit(side_by_side).lower(variables).compile().as_text()
+    assert " transpose(" not in program

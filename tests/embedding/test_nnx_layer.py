@@ -88,19 +88,32 @@ def _start(optimizer: str, devices: int, *, limit: int | None = None, minibatchi
 
 
 def _functional_steps(model, tx, start, batches, *, minibatching=False):
-    """The reference: the steps of `batches` on the functional API, from `start`."""
+    """The reference: the steps of `batches` on the functional API, from `start`.
+
+    Each program with collectives is waited for before the next is dispatched
+    (XLA:CPU must not run two such programs at once)."""
     specs, mesh = model.embed.feature_specs, model.embed.mesh
     variables, params = start
     opt_state, losses = tx.init(params), []
     for step, batch in enumerate(batches):
-        per_feature = embedding.sparse_dense_matmul(
-            batch, variables, specs, mesh, enable_minibatching=minibatching
+        per_feature = jax.block_until_ready(
+            embedding.sparse_dense_matmul(
+                batch, variables, specs, mesh, enable_minibatching=minibatching
+            )
         )
         loss, (activation_grads, param_grads) = jax.value_and_grad(dense_loss, argnums=(0, 1))(
             per_feature, params, TARGETS
         )
-        variables = embedding.apply_gradients(
-            activation_grads, batch, variables, specs, mesh, step, enable_minibatching=minibatching
+        variables = jax.block_until_ready(
+            embedding.apply_gradients(
+                activation_grads,
+                batch,
+                variables,
+                specs,
+                mesh,
+                step,
+                enable_minibatching=minibatching,
+            )
         )
         updates, opt_state = tx.update(param_grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -261,7 +274,11 @@ def test_jitted_step_with_state_shardings_keeps_the_tables_sharding():
     ]
     train_step = _jitted_train_step(model, partitioned)
 
-    losses = [train_step(model, partitioned, batch, TARGETS) for batch in batches]
+    # One step at a time: XLA:CPU must not run two programs with collectives at once.
+    losses = [
+        jax.block_until_ready((train_step(model, partitioned, batch, TARGETS), nnx.state(model)))[0]
+        for batch in batches
+    ]
 
     rows = jax.sharding.NamedSharding(model.embed.mesh, jax.sharding.PartitionSpec("x"))
     for variable in jax.tree.leaves(nnx.state(model, enx.EmbeddingParam)):
