@@ -12,9 +12,9 @@ each feature a column block: a caller that puts the features side by side
 again in that order (the trainer's stacked activations) gets that array
 back without a copy, as XLA folds adjacent column slices into the array
 they were cut from, and a concatenation of such slices into it (numbered as
-the layout has them, the block took a transpose each way, 2 ms of a 15 ms
-step of the Criteo DLRM on one device: docs/benchmarks.md). Other stacks
-keep the layout's order and are cut and padded feature by feature.
+the layout has them, the block took a transpose each way: docs/benchmarks.md).
+Other stacks keep the layout's order and are cut and padded feature by
+feature.
 """
 
 from __future__ import annotations
