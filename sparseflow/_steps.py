@@ -349,16 +349,15 @@ def _mean_of_device_parts(value_and_grad, mesh: Mesh):
     """
     axis = mesh.axis_names[0]
     sharded, replicated = PartitionSpec(axis), PartitionSpec()
-    parts = mesh.size
 
     def on_device(params, dense, activations, labels):
         (loss, outputs), (param_grads, activation_grads) = value_and_grad(
             params, dense, activations, labels
         )
         flat, unravel = ravel_pytree((loss, param_grads))
-        loss, param_grads = unravel(jax.lax.psum(flat, axis) / parts)
-        # An example's term weighs 1/parts as much in the batch's mean as in its part's.
-        activation_grads = jax.tree.map(lambda g: g / parts, activation_grads)
+        loss, param_grads = unravel(jax.lax.pmean(flat, axis))
+        # An example's term weighs 1/size as much in the batch's mean as in its part's.
+        activation_grads = jax.tree.map(lambda g: g / mesh.size, activation_grads)
         return (loss, outputs), (param_grads, activation_grads)
 
     return jax.shard_map(
